@@ -1,0 +1,49 @@
+"""Backend interface shared by torch and ONNX Runtime, plus numpy pooling used by the ORT path."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..core.engine import Batch, BatchOutput
+
+
+class Backend:
+    name = "base"
+    dtype = "float32"
+    device = "cpu"
+    pad_id = 0
+    pooling: str | None = None
+    hidden_size = 0
+
+    def bucket(self, rows: int, cols: int) -> tuple[int, int]:
+        """Padded shape for a batch. CPU: exact. CUDA: a small set of shapes so captured graphs can be reused."""
+        return rows, cols
+
+    def forward(self, batch: Batch) -> BatchOutput:
+        raise NotImplementedError
+
+
+def pool_numpy(hidden: np.ndarray, mask: np.ndarray, lengths: np.ndarray, pooling: str) -> np.ndarray:
+    if pooling == "cls":
+        return hidden[:, 0]
+    if pooling == "last-token":
+        return hidden[np.arange(hidden.shape[0]), np.maximum(lengths - 1, 0)]
+    m = mask[..., None].astype(hidden.dtype)
+    return (hidden * m).sum(1) / np.maximum(m.sum(1), 1.0)
+
+
+def split_tokens(hidden: np.ndarray, lengths: np.ndarray, n: int) -> list[np.ndarray]:
+    return [hidden[i, : lengths[i]] for i in range(n)]
+
+
+def cpu_threads() -> int:
+    """CPUs this process may really use: affinity and the cgroup quota (TEI issue 170: 6x slower when ignored)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        if quota != "max":
+            n = min(n, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)

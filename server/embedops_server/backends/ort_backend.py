@@ -1,0 +1,111 @@
+"""ONNX Runtime backend (CPU). Uses the folder's ONNX file, or exports one from the torch weights."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from ..core.engine import Batch, BatchOutput
+from ..core.model_info import EMBEDDER, ModelInfo
+from .base import Backend, pool_numpy, split_tokens
+from .onnx_export import cache_dir, export_onnx, quantize_int8
+
+log = logging.getLogger(__name__)
+
+# Fixed sentences for the int8 quality gate: varied length, topic and punctuation.
+CHECK_TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Kubernetes operators reconcile the desired state of custom resources.",
+    "What is the capital of France?",
+    "Paris is the capital and most populous city of France.",
+    "def add(a, b): return a + b",
+    "I loved this movie, the acting was superb and the plot kept me guessing until the end.",
+    "Embeddings map text to dense vectors so that similar meanings end up close together.",
+    "short",
+]
+
+
+class OrtBackend(Backend):
+    name = "onnxruntime"
+
+    def __init__(self, info: ModelInfo, threads: int | None = None, quantize: str | None = None,
+                 cache: str | None = None, int8_min_cosine: float = 0.98, tokenizer=None):
+        import onnxruntime as ort
+
+        self.info = info
+        self.task = info.task
+        self.pooling = info.pooling
+        self.pad_id = int(info.config.get("pad_token_id") or 0)
+        path = info.onnx_path
+        if path is None:
+            if not info.has_torch_weights:
+                raise RuntimeError(f"{info.path} has no ONNX model and no torch weights to export from")
+            path = export_onnx(info, cache_dir(info, cache))
+        self.fp32_path = Path(path)
+        self._ort = ort
+        self.threads = threads
+        self.session = self._session(self.fp32_path)
+        self.int8_cosine: float | None = None
+        if quantize == "int8":
+            q = quantize_int8(self.fp32_path, cache_dir(info, cache))
+            qsession = self._session(q)
+            self.int8_cosine = self._compare(self.session, qsession, tokenizer)
+            log.info("int8 quality check: min cosine %.4f vs float32 over %d sentences",
+                     self.int8_cosine, len(CHECK_TEXTS))
+            if self.int8_cosine < int8_min_cosine:
+                raise RuntimeError(
+                    f"int8 model fails the quality gate: min cosine {self.int8_cosine:.4f} < {int8_min_cosine}")
+            self.session = qsession
+            self.dtype = "int8"
+        self._inputs = {i.name for i in self.session.get_inputs()}
+        self.hidden_size = int(info.config.get("hidden_size") or self.session.get_outputs()[0].shape[-1] or 0)
+
+    def _session(self, path: Path):
+        ort = self._ort
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if self.threads:
+            so.intra_op_num_threads = self.threads
+            so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+    def _feed(self, session, batch: Batch) -> dict:
+        names = {i.name for i in session.get_inputs()}
+        feed = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        if "token_type_ids" in names:
+            feed["token_type_ids"] = batch.token_type_ids
+        return feed
+
+    def _run(self, session, batch: Batch) -> np.ndarray:
+        return session.run(None, self._feed(session, batch))[0]
+
+    def forward(self, batch: Batch) -> BatchOutput:
+        out = self._run(self.session, batch)
+        if self.task != EMBEDDER:
+            return BatchOutput(out.astype(np.float32, copy=False))
+        pooled = pool_numpy(out, batch.attention_mask, batch.lengths, self.pooling)
+        tokens = split_tokens(out, batch.lengths, len(batch.lengths)) if batch.need_tokens else None
+        return BatchOutput(np.ascontiguousarray(pooled, dtype=np.float32), tokens)
+
+    def _compare(self, a, b, tokenizer) -> float:
+        if tokenizer is None:
+            raise RuntimeError("int8 quality check needs the tokenizer")
+        encs = tokenizer.encode_batch(CHECK_TEXTS)
+        L = max(len(e.ids) for e in encs)
+        ids = np.zeros((len(encs), L), np.int64)
+        mask = np.zeros_like(ids)
+        for i, e in enumerate(encs):
+            ids[i, : len(e.ids)] = e.ids
+            mask[i, : len(e.ids)] = 1
+        lengths = mask.sum(1)
+        batch = Batch(ids, mask, np.zeros_like(ids), lengths)
+        x, y = self._run(a, batch), self._run(b, batch)
+        if self.task == EMBEDDER:
+            x = pool_numpy(x, mask, lengths, self.pooling)
+            y = pool_numpy(y, mask, lengths, self.pooling)
+        x = x.reshape(len(encs), -1).astype(np.float64)
+        y = y.reshape(len(encs), -1).astype(np.float64)
+        cos = (x * y).sum(1) / (np.linalg.norm(x, axis=1) * np.linalg.norm(y, axis=1) + 1e-12)
+        return float(cos.min())

@@ -1,0 +1,231 @@
+"""The engine: admission, tokenization hand-off, a batcher thread and an inference thread.
+
+Event loop -> TokenizerPool (threads) -> BatchQueue -> batcher thread (forms batch N+1 and builds its padded
+arrays while batch N runs) -> inference thread (backend forward + numpy post-processing) -> one
+call_soon_threadsafe per batch back to the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .errors import BACKEND, OVERLOADED, UNHEALTHY, EngineError
+from .queue import BatchQueue, Entry
+from .tokenization import EncodeJob, TokenizerPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    """Padded arrays for one forward pass (rows beyond len(entries) are bucket padding)."""
+    input_ids: np.ndarray
+    attention_mask: np.ndarray
+    token_type_ids: np.ndarray
+    lengths: np.ndarray
+    need_tokens: bool = False
+
+
+@dataclass
+class BatchOutput:
+    pooled: np.ndarray | None  # [B, D]: pooled embedding, dense SPLADE vector or classifier logits
+    tokens: list[np.ndarray] | None = None  # per-row unpadded hidden states (embed_all)
+
+
+class Request:
+    """One HTTP request's worth of inputs travelling through the engine."""
+    __slots__ = (
+        "future", "loop", "n", "remaining", "results", "need_tokens", "cancelled", "done",
+        "t_start", "t_tokenized", "t_queue", "t_infer", "tokens", "error",
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int, need_tokens: bool):
+        self.loop = loop
+        self.future: asyncio.Future = loop.create_future()
+        self.n = n
+        self.remaining = n
+        self.results: list[Any] = [None] * n
+        self.need_tokens = need_tokens
+        self.cancelled = False
+        self.done = False
+        self.t_start = time.perf_counter()
+        self.t_tokenized = 0.0
+        self.t_queue = 0.0  # summed over inputs (divided by n for the per-input average)
+        self.t_infer = 0.0
+        self.tokens = 0
+        self.error: EngineError | None = None
+
+
+@dataclass
+class EngineStats:
+    """Hooks the router wires to Prometheus; core stays free of HTTP and metrics libraries."""
+    on_batch: Callable[[int, int], None] = lambda size, tokens: None
+    on_dropped: Callable[[int], None] = lambda n: None
+    on_input_length: Callable[[int], None] = lambda n: None
+
+
+class Engine:
+    def __init__(self, backend, tokenizers: TokenizerPool, max_input_length: int, max_batch_tokens: int,
+                 max_batch_requests: int | None, max_concurrent_requests: int, stats: EngineStats | None = None):
+        self.backend = backend
+        self.tokenizers = tokenizers
+        self.max_input_length = max_input_length
+        self.max_concurrent = max_concurrent_requests
+        self.queue = BatchQueue(max_batch_tokens, max_batch_requests)
+        self.stats = stats or EngineStats()
+        self.in_flight = 0  # admitted inputs not yet answered; touched only on the event loop
+        self.draining = False
+        self._ready_batches: queue.Queue = queue.Queue(maxsize=1)  # one batch of look-ahead
+        self._throughput = 0.0  # inputs/s, exponential moving average, for Retry-After
+        self._stop = False
+        self._threads = [
+            threading.Thread(target=self._batcher, name="batcher", daemon=True),
+            threading.Thread(target=self._inference, name="inference", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ---- event-loop side -------------------------------------------------------------------
+    def admit(self, n: int) -> None:
+        if self.draining:
+            raise EngineError(UNHEALTHY, "server is shutting down")
+        if self.in_flight + n > self.max_concurrent:
+            raise EngineError(OVERLOADED, "Model is overloaded", retry_after=self.retry_after())
+        self.in_flight += n
+
+    def release(self, n: int) -> None:
+        self.in_flight -= n
+
+    def retry_after(self) -> int:
+        rate = self._throughput or 1.0
+        return max(1, min(60, math.ceil(self.in_flight / rate)))
+
+    def submit(self, texts: Sequence, truncate: bool, direction: str, need_tokens: bool = False) -> Request:
+        """Queue admitted inputs; await `request.future`. Caller must have called admit(len(texts))."""
+        loop = asyncio.get_running_loop()
+        req = Request(loop, len(texts), need_tokens)
+
+        def tokenized(encs, err):  # runs on a tokenizer thread
+            req.t_tokenized = time.perf_counter()
+            if err is not None:
+                loop.call_soon_threadsafe(_fail, req, err)
+                return
+            if req.cancelled:
+                return
+            entries = []
+            for i, (ids, tids) in enumerate(encs):
+                entries.append(Entry(req, i, ids, tids))
+                req.tokens += len(ids)
+                self.stats.on_input_length(len(ids))
+            self.queue.put_many(entries)
+
+        self.tokenizers.submit(EncodeJob(texts, truncate, direction, self.max_input_length, tokenized))
+        return req
+
+    # ---- batcher thread ----------------------------------------------------------------------
+    def _batcher(self) -> None:
+        while not self._stop:
+            entries, dropped = self.queue.next_batch(timeout=0.5)
+            if dropped:
+                self.stats.on_dropped(len(dropped))
+            if not entries:
+                continue
+            try:
+                batch = self._build(entries)
+            except Exception as e:  # never lose the entries silently
+                log.exception("building a batch failed")
+                self._fail_entries(entries, EngineError(BACKEND, f"batch assembly failed: {e}"))
+                continue
+            self.stats.on_batch(len(entries), int(batch.lengths[: len(entries)].sum()))
+            self._ready_batches.put((entries, batch, time.perf_counter()))
+
+    def _build(self, entries: list[Entry]) -> Batch:
+        n = len(entries)
+        max_len = max(e.length for e in entries)
+        rows, cols = self.backend.bucket(n, max_len)
+        ids = np.zeros((rows, cols), dtype=np.int64)
+        tti = np.zeros((rows, cols), dtype=np.int64)
+        mask = np.zeros((rows, cols), dtype=np.int64)
+        lengths = np.zeros(rows, dtype=np.int64)
+        for r, e in enumerate(entries):
+            ids[r, : e.length] = e.ids
+            tti[r, : e.length] = e.type_ids
+            mask[r, : e.length] = 1
+            lengths[r] = e.length
+        if self.backend.pad_id:
+            ids[mask == 0] = self.backend.pad_id
+        need_tokens = any(e.request.need_tokens for e in entries)
+        return Batch(ids, mask, tti, lengths, need_tokens)
+
+    # ---- inference thread --------------------------------------------------------------------
+    def _inference(self) -> None:
+        while True:
+            item = self._ready_batches.get()
+            if item is None:
+                return
+            entries, batch, t_formed = item
+            t0 = time.perf_counter()
+            try:
+                out = self.backend.forward(batch)
+            except Exception as e:
+                log.exception("forward pass failed")
+                self._fail_entries(entries, EngineError(BACKEND, f"inference failed: {e}"))
+                continue
+            t1 = time.perf_counter()
+            finished = []
+            for r, e in enumerate(entries):
+                req = e.request
+                req.results[e.index] = (
+                    out.tokens[r] if (req.need_tokens and out.tokens is not None) else out.pooled[r]
+                )
+                req.t_queue += t0 - (req.t_tokenized or t0)
+                req.t_infer += t1 - t0
+                req.remaining -= 1
+                if req.remaining == 0:
+                    finished.append(req)
+            dt = t1 - t0
+            if dt > 0:
+                rate = len(entries) / dt
+                self._throughput = rate if not self._throughput else 0.8 * self._throughput + 0.2 * rate
+            if finished:
+                finished[0].loop.call_soon_threadsafe(_finish_all, finished)
+
+    def _fail_entries(self, entries: list[Entry], err: EngineError) -> None:
+        reqs = {id(e.request): e.request for e in entries}
+        for req in reqs.values():
+            req.loop.call_soon_threadsafe(_fail, req, err)
+
+    def warmup(self, tokens: int) -> None:
+        """Run one forward pass of `tokens` padded tokens (startup; surfaces OOM and compiles kernels)."""
+        length = max(2, min(self.max_input_length, tokens))
+        rows = max(1, tokens // length)
+        ids = np.full((rows, length), 101, dtype=np.int64)
+        batch = Batch(ids, np.ones_like(ids), np.zeros_like(ids), np.full(rows, length, dtype=np.int64))
+        self.backend.forward(batch)
+
+    def close(self) -> None:
+        self._stop = True
+        self.queue.close()
+        self._ready_batches.put(None)
+        self.tokenizers.close()
+
+
+def _finish_all(reqs: list[Request]) -> None:
+    for req in reqs:
+        if not req.future.done():
+            req.future.set_result(req.results)
+
+
+def _fail(req: Request, err: EngineError) -> None:
+    req.cancelled = True  # its other inputs still queued are dropped, not computed
+    if not req.future.done():
+        req.future.set_exception(err)
+        req.future.exception()  # mark retrieved: a cancelled waiter must not log "never retrieved"

@@ -1,0 +1,140 @@
+"""Read a Hugging Face / sentence-transformers model folder and decide what the model is for."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+EMBEDDER, SPARSE, RERANKER, CLASSIFIER = "embedding", "sparse", "reranker", "classifier"
+POOLINGS = ("cls", "mean", "splade", "last-token")
+
+
+class ModelError(RuntimeError):
+    """The model folder cannot be served (missing files, unsupported combination)."""
+
+
+@dataclass
+class ModelInfo:
+    path: Path
+    task: str
+    pooling: str | None
+    normalize: bool
+    max_input_length: int
+    config: dict = field(default_factory=dict)
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    id2label: dict[int, str] = field(default_factory=dict)
+    onnx_path: Path | None = None
+    has_torch_weights: bool = False
+
+    @property
+    def architecture(self) -> str:
+        archs = self.config.get("architectures") or []
+        return archs[0] if archs else self.config.get("model_type", "unknown")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def _st_pooling(path: Path) -> tuple[str | None, bool]:
+    """Pooling mode and normalization from sentence-transformers' modules.json / Pooling config."""
+    modules = _read_json(path / "modules.json") if (path / "modules.json").exists() else []
+    normalize = any(m.get("type", "").endswith("Normalize") for m in modules) if isinstance(modules, list) else False
+    pool_dir = None
+    for m in modules if isinstance(modules, list) else []:
+        if m.get("type", "").endswith("Pooling"):
+            pool_dir = path / m.get("path", "1_Pooling")
+    cfg = _read_json((pool_dir or path / "1_Pooling") / "config.json")
+    if not cfg:
+        return None, normalize
+    if cfg.get("pooling_mode_cls_token"):
+        return "cls", normalize
+    if cfg.get("pooling_mode_lasttoken"):
+        return "last-token", normalize
+    if cfg.get("pooling_mode_mean_tokens"):
+        return "mean", normalize
+    raise ModelError(f"unsupported sentence-transformers pooling config in {pool_dir}: {cfg}")
+
+
+def find_onnx(path: Path) -> Path | None:
+    for cand in (path / "onnx" / "model.onnx", path / "model.onnx"):
+        if cand.exists():
+            return cand
+    return None
+
+
+def load_model_info(path: str | Path, pooling: str | None = None) -> ModelInfo:
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelError(
+            f"model {path} is not a local folder (no model hub is reachable from this server)"
+        )
+    if not (path / "tokenizer.json").exists():
+        raise ModelError(f"{path} has no tokenizer.json (a fast tokenizer is required)")
+    config = _read_json(path / "config.json")
+    onnx_path = find_onnx(path)
+    has_torch = any((path / n).exists() for n in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))
+    if not config and onnx_path is None:
+        raise ModelError(f"{path} has neither config.json nor an ONNX model")
+    if pooling is not None and pooling not in POOLINGS:
+        raise ModelError(f"unknown pooling {pooling!r}; expected one of {POOLINGS}")
+
+    arch = (config.get("architectures") or [""])[0]
+    id2label: dict[int, str] = {}
+    st_pool, normalize = _st_pooling(path)
+    if arch.endswith("ForSequenceClassification"):
+        id2label = {int(k): v for k, v in (config.get("id2label") or {0: "LABEL_0"}).items()}
+        n = config.get("num_labels") or len(id2label)
+        if len(id2label) != n:
+            id2label = {i: f"LABEL_{i}" for i in range(n)}
+        task = RERANKER if n == 1 else CLASSIFIER
+        if pooling:
+            log.warning("--pooling is ignored for classifiers")
+        pool = None
+    elif arch.endswith("ForMaskedLM") and pooling in (None, "splade"):
+        task, pool = SPARSE, "splade"
+    else:
+        if pooling == "splade":
+            raise ModelError("splade pooling needs a *ForMaskedLM architecture")
+        task = EMBEDDER
+        pool = pooling or st_pool
+        if pool is None:
+            # Same fallback as TEI: BERT-family models without a pooling config use CLS.
+            if config.get("model_type", "bert") in ("bert", "roberta", "xlm-roberta", "distilbert", "camembert", "mpnet", "modernbert") or not config:
+                log.warning("no pooling config found; falling back to CLS pooling")
+                pool = "cls"
+            else:
+                raise ModelError("no pooling config found; pass --pooling")
+
+    st_cfg = _read_json(path / "config_sentence_transformers.json")
+    prompts = {k: v for k, v in (st_cfg.get("prompts") or {}).items() if isinstance(v, str)}
+    max_len = _max_input_length(path, config)
+    return ModelInfo(
+        path=path, task=task, pooling=pool, normalize=normalize, max_input_length=max_len,
+        config=config, prompts=prompts, default_prompt_name=st_cfg.get("default_prompt_name"),
+        id2label=id2label, onnx_path=onnx_path, has_torch_weights=has_torch,
+    )
+
+
+def _max_input_length(path: Path, config: dict) -> int:
+    for name in ("sentence_bert_config.json", "sentence_roberta_config.json", "sentence_xlm-roberta_config.json"):
+        msl = _read_json(path / name).get("max_seq_length")
+        if msl:
+            return int(msl)
+    mpe = config.get("max_position_embeddings")
+    if mpe:
+        # RoBERTa-style models reserve pad_token_id + 1 positions.
+        if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
+            mpe -= int(config.get("pad_token_id", 1)) + 1
+        return int(mpe)
+    tok = _read_json(path / "tokenizer_config.json").get("model_max_length")
+    if isinstance(tok, int) and tok < 1_000_000:
+        return tok
+    return 512

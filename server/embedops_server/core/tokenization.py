@@ -1,0 +1,140 @@
+"""Tokenization workers: OS threads, each with its own Rust tokenizer clone, encoding drained jobs in batches.
+
+The Rust `encode_batch` releases the GIL, so tokenization overlaps with the inference thread.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from tokenizers import Tokenizer
+
+from .errors import TOKENIZER, VALIDATION, EngineError
+
+# TEI rejects (or, with truncation, cuts) texts over max_input_length * 250 characters before tokenizing:
+# it bounds the work an attacker can ask of the tokenizer.
+CHARS_PER_TOKEN_LIMIT = 250
+_DRAIN = 64  # jobs merged into one encode_batch call
+
+
+@dataclass(slots=True)
+class EncodeJob:
+    texts: Sequence  # str, or (str, str) pairs
+    truncate: bool
+    direction: str  # "right" | "left"
+    max_length: int
+    done: Callable  # done(list[(ids, type_ids)] | None, EngineError | None)
+    add_special_tokens: bool = True
+
+
+class TokenizerPool:
+    def __init__(self, tokenizer_path: str, workers: int):
+        self.path = tokenizer_path
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._base = self._load()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"tokenizer-{i}", daemon=True) for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _load(self) -> Tokenizer:
+        tok = Tokenizer.from_file(self.path)
+        # tokenizer.json may carry its own truncation/padding (the ONNX MiniLM pads to 128): we do both ourselves.
+        tok.no_truncation()
+        tok.no_padding()
+        return tok
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """A clone for the occasional synchronous use (tokenize/decode endpoints, warm-up)."""
+        return self._base
+
+    def submit(self, job: EncodeJob) -> None:
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def _run(self) -> None:
+        tok = self._load()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            jobs = [job]
+            while len(jobs) < _DRAIN:
+                try:
+                    nxt = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._jobs.put(None)
+                    break
+                jobs.append(nxt)
+            groups: dict[tuple, list[EncodeJob]] = {}
+            for j in jobs:
+                groups.setdefault((j.truncate, j.direction, j.max_length, j.add_special_tokens), []).append(j)
+            for key, group in groups.items():
+                self._encode_group(tok, key, group)
+
+    def _encode_group(self, tok: Tokenizer, key: tuple, group: list[EncodeJob]) -> None:
+        truncate, direction, max_length, add_special = key
+        char_limit = max_length * CHARS_PER_TOKEN_LIMIT
+        flat: list = []
+        spans: list[tuple[EncodeJob, int, int]] = []
+        for j in group:
+            try:
+                texts = [_clip(t, char_limit, truncate, direction) for t in j.texts]
+            except EngineError as e:
+                j.done(None, e)
+                continue
+            spans.append((j, len(flat), len(flat) + len(texts)))
+            flat.extend(texts)
+        if not flat:
+            return
+        try:
+            if truncate:
+                tok.enable_truncation(max_length, strategy="longest_first", direction=direction)
+            else:
+                tok.no_truncation()
+            encs = tok.encode_batch(flat, add_special_tokens=add_special)
+        except Exception as e:  # a bad text poisons only its own jobs: retry one by one
+            if len(spans) > 1:
+                for j, _, _ in spans:
+                    self._encode_group(tok, key, [j])
+                return
+            spans[0][0].done(None, EngineError(TOKENIZER, f"tokenizer error: {e}"))
+            return
+        for j, a, b in spans:
+            out = []
+            err = None
+            for k in range(a, b):
+                ids = encs[k].ids
+                if len(ids) > max_length:
+                    err = EngineError(
+                        VALIDATION,
+                        f"Input validation error: `inputs` must have less than {max_length} tokens. "
+                        f"Given: {len(ids)}",
+                    )
+                    break
+                if not ids:
+                    err = EngineError(VALIDATION, "Input validation error: an input produced no tokens")
+                    break
+                out.append((ids, encs[k].type_ids))
+            j.done(None, err) if err else j.done(out, None)
+
+
+def _clip(text, limit: int, truncate: bool, direction: str):
+    if isinstance(text, str):
+        if len(text) > limit:
+            if not truncate:
+                raise EngineError(
+                    VALIDATION, f"Input validation error: `inputs` must have less than {limit} characters"
+                )
+            return text[-limit:] if direction == "left" else text[:limit]
+        return text
+    return tuple(_clip(t, limit, truncate, direction) for t in text)

@@ -1,0 +1,1 @@
+"""HTTP layer: FastAPI app, TEI/OpenAI/Cohere schemas, errors, auth, metrics. Never touches tensors."""

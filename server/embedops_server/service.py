@@ -1,0 +1,91 @@
+"""Assemble the serving stack from Settings: model info -> backend -> tokenizer workers -> engine."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from .backends.base import Backend, cpu_threads
+from .core.engine import Engine, EngineStats
+from .core.model_info import ModelError, ModelInfo, load_model_info
+from .core.tokenization import TokenizerPool
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Service:
+    settings: Settings
+    info: ModelInfo
+    backend: Backend
+    engine: Engine
+    tokenizers: TokenizerPool
+    max_input_length: int
+    load_seconds: float
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
+    device = s.device or ("cuda" if s.backend in ("auto", "torch") and _cuda_available() else "cpu")
+    kind = s.backend
+    if kind == "auto":
+        if device.startswith("cuda"):
+            kind = "torch"
+        elif info.onnx_path is not None or info.has_torch_weights:
+            kind = "onnxruntime"
+        else:
+            raise ModelError(f"{info.path} has no ONNX model and no torch weights")
+    threads = s.num_threads or cpu_threads()
+    if kind in ("onnxruntime", "ort", "onnx"):
+        if s.dtype not in (None, "float32"):
+            raise ModelError("the ONNX Runtime backend runs float32 (or --quantize int8)")
+        from .backends.ort_backend import OrtBackend
+
+        return OrtBackend(info, threads=threads, quantize=s.quantize, cache=s.onnx_cache,
+                          int8_min_cosine=s.int8_min_cosine, tokenizer=tokenizer)
+    if kind != "torch":
+        raise ModelError(f"unknown backend {kind!r}")
+    if s.quantize:
+        raise ModelError("--quantize int8 is only supported with the ONNX Runtime backend")
+    if not info.has_torch_weights:
+        raise ModelError(f"{info.path} has no torch weights; use --backend onnxruntime")
+    from .backends.torch_backend import TorchBackend
+
+    dtype = s.dtype or ("float16" if device.startswith("cuda") else "float32")
+    return TorchBackend(info, dtype=dtype, device=device, threads=threads if device == "cpu" else None)
+
+
+def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
+    t0 = time.perf_counter()
+    info = load_model_info(s.model_id, s.pooling)
+    max_len = info.max_input_length
+    if max_len > s.max_batch_tokens:
+        # TEI issue 723: an input longer than the budget could never be batched and hung the queue.
+        if not s.auto_truncate:
+            raise ModelError(
+                f"model max input length {max_len} > --max-batch-tokens {s.max_batch_tokens}; "
+                "raise the budget or enable --auto-truncate")
+        log.warning("max input length %d clamped to --max-batch-tokens %d", max_len, s.max_batch_tokens)
+        max_len = s.max_batch_tokens
+    if s.default_prompt_name and s.default_prompt_name not in info.prompts:
+        raise ModelError(f"--default-prompt-name {s.default_prompt_name!r} is not one of {sorted(info.prompts)}")
+    if s.default_prompt and s.default_prompt_name:
+        raise ModelError("--default-prompt and --default-prompt-name are mutually exclusive")
+    workers = s.tokenization_workers or max(1, min(64, (os.cpu_count() or 2) - 1))
+    tokenizers = TokenizerPool(str(info.path / "tokenizer.json"), workers)
+    backend = make_backend(s, info, tokenizers.tokenizer)
+    engine = Engine(backend, tokenizers, max_len, s.max_batch_tokens, s.max_batch_requests,
+                    s.max_concurrent_requests, stats)
+    # Warm-up: a full budget on GPU (OOM shows at start, not under load); one max-length input on CPU.
+    engine.warmup(s.max_batch_tokens if backend.device != "cpu" else max_len)
+    return Service(s, info, backend, engine, tokenizers, max_len, time.perf_counter() - t0)

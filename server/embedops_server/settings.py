@@ -1,0 +1,34 @@
+"""Server settings: one dataclass filled by the CLI (flags or upper-snake environment variables)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Settings:
+    model_id: str = ""
+    revision: str = "main"
+    pooling: str | None = None
+    dtype: str | None = None
+    backend: str = "auto"  # auto | torch | onnxruntime
+    device: str | None = None  # cpu | cuda[:N]; default: cuda when available
+    quantize: str | None = None  # None | int8 (ONNX Runtime only; quality-gated)
+    int8_min_cosine: float = 0.98
+    max_batch_tokens: int = 16384
+    max_batch_requests: int | None = None
+    max_concurrent_requests: int = 512
+    max_client_batch_size: int = 32
+    auto_truncate: bool = True
+    tokenization_workers: int | None = None
+    num_threads: int | None = None
+    default_prompt: str | None = None
+    default_prompt_name: str | None = None
+    served_model_name: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never printed
+    payload_limit: int = 2_000_000
+    hostname: str = "0.0.0.0"
+    port: int = 8080
+    json_output: bool = False
+    graceful_shutdown_timeout: float = 30.0
+    onnx_cache: str | None = None
+    log_level: str = "info"
