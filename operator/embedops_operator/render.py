@@ -1,0 +1,552 @@
+"""Pure, deterministic rendering: EmbeddingService → child manifests (plain dicts, built as data).
+
+Nothing here talks to a cluster. The same function serves the reconciler and `embedops-operator render`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinja2 import Environment, StrictUndefined
+
+from . import spec as S
+
+MANAGER = "embedops"
+SERVER_PORT = 8080
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_SERVICE = "embedops.dev/service"
+ANNOTATION_HASH = "embedops.dev/applied-hash"
+
+SERVICEMONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
+HTTPROUTE = ("gateway.networking.k8s.io/v1", "HTTPRoute")
+SCALEDOBJECT = ("keda.sh/v1alpha1", "ScaledObject")
+OPTIONAL_KINDS = (SERVICEMONITOR, HTTPROUTE, SCALEDOBJECT)
+
+ROUTE_PATHS = {
+    "embed": [("PathPrefix", "/v1/embeddings"), ("Exact", "/embed"), ("Exact", "/embed_all")],
+    "sparse": [("Exact", "/embed_sparse"), ("Exact", "/embed")],
+    "rerank": [("Exact", "/rerank")],
+    "classify": [("Exact", "/predict")],
+}
+
+
+@dataclass(frozen=True)
+class Options:
+    """Operator-level settings that rendering depends on (never read from the environment inside render)."""
+    cpu_image: str = "ghcr.io/embedops/embedops-server:0.1.0-cpu"
+    cuda_image: str = "ghcr.io/embedops/embedops-server:0.1.0-cuda"
+    cluster_domain: str = "cluster.local"
+    # Optional third-party kinds installed in the cluster: ("apiVersion", "Kind") pairs.
+    capabilities: frozenset[tuple[str, str]] = field(default_factory=lambda: frozenset(OPTIONAL_KINDS))
+
+    @classmethod
+    def from_env(cls, capabilities: frozenset[tuple[str, str]] | None = None) -> "Options":
+        base = cls()
+        return cls(
+            cpu_image=os.environ.get("EMBEDOPS_SERVER_IMAGE_CPU", base.cpu_image),
+            cuda_image=os.environ.get("EMBEDOPS_SERVER_IMAGE_CUDA", base.cuda_image),
+            cluster_domain=os.environ.get("EMBEDOPS_CLUSTER_DOMAIN", base.cluster_domain),
+            capabilities=base.capabilities if capabilities is None else capabilities,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+def detect_task(model: S.ModelSpec) -> str:
+    if model.task:
+        return model.task
+    ident = model.id.lower()
+    if "rerank" in ident or "cross-encoder" in ident or "ms-marco" in ident:
+        return "rerank"
+    if "splade" in ident:
+        return "sparse"
+    return "embed"
+
+
+def accelerator_kind(spec: S.EmbeddingServiceSpec) -> str:
+    acc = spec.accelerator
+    return "mig" if acc.mig else "gpu" if acc.gpu else "cpu"
+
+
+def accelerator_summary(spec: S.EmbeddingServiceSpec) -> str:
+    acc = spec.accelerator
+    if acc.mig:
+        n = f"{acc.mig.count}x" if acc.mig.count > 1 else ""
+        return f"mig-{n}{acc.mig.profile}"
+    if acc.gpu:
+        return f"gpu-{acc.gpu.count}"
+    isa = ",".join(acc.cpu.instruction_sets)
+    return f"cpu-{acc.cpu.cores}" + (f"({isa})" if isa else "")
+
+
+def served_model_name(spec: S.EmbeddingServiceSpec) -> str:
+    return spec.model.served_model_name or spec.model.id
+
+
+def dtype(spec: S.EmbeddingServiceSpec) -> str:
+    if spec.model.dtype:
+        return spec.model.dtype
+    return "float32" if spec.accelerator.cpu else "float16"
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {LABEL_NAME: "embedops-server", LABEL_INSTANCE: name}
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def common_labels(name: str, task: str) -> dict[str, str]:
+    return {
+        **selector_labels(name),
+        LABEL_COMPONENT: "reranker" if task == "rerank" else "embedder",
+        LABEL_PART_OF: "embedops",
+        LABEL_MANAGED_BY: MANAGER,
+        LABEL_SERVICE: name,
+    }
+
+
+def service_url(name: str, namespace: str, spec: S.EmbeddingServiceSpec, options: Options) -> str:
+    port = "" if spec.service.port == 80 else f":{spec.service.port}"
+    return f"http://{name}.{namespace}.svc.{options.cluster_domain}{port}"
+
+
+def endpoints(name: str, namespace: str, spec: S.EmbeddingServiceSpec, options: Options) -> dict[str, str]:
+    base = service_url(name, namespace, spec, options)
+    task = detect_task(spec.model)
+    out = {"service": base}
+    if task in ("embed", "sparse"):
+        out["openai"] = base + "/v1"
+    if task == "rerank":
+        out["rerank"] = base + "/rerank"
+    if spec.gateway and spec.gateway.hostnames:
+        out["external"] = f"https://{spec.gateway.hostnames[0]}{spec.gateway.path_prefix}"
+    return out
+
+
+def autoscaler_kind(spec: S.EmbeddingServiceSpec, options: Options) -> str | None:
+    if not spec.autoscaling:
+        return None
+    provider = spec.autoscaling.provider
+    if provider == "auto":
+        return "keda" if SCALEDOBJECT in options.capabilities else "hpa"
+    return provider
+
+
+def content_hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------- pod
+
+def _resources(spec: S.EmbeddingServiceSpec) -> dict:
+    acc = spec.accelerator
+    if acc.cpu:
+        res = {"requests": {"cpu": str(acc.cpu.cores), "memory": acc.cpu.memory},
+               "limits": {"cpu": str(acc.cpu.cores), "memory": acc.cpu.memory}}
+    elif acc.mig:
+        key = f"nvidia.com/mig-{acc.mig.profile}" if acc.mig.strategy == "mixed" else "nvidia.com/gpu"
+        res = {"requests": {"cpu": "2", "memory": "8Gi"},
+               "limits": {"memory": "8Gi", key: str(acc.mig.count)}}
+    else:
+        res = {"requests": {"cpu": "4", "memory": "16Gi"},
+               "limits": {"memory": "16Gi", "nvidia.com/gpu": str(acc.gpu.count)}}
+    if spec.resources:  # user overrides win, per section and key
+        for section, values in spec.resources.items():
+            if isinstance(values, dict):
+                res.setdefault(section, {}).update({k: str(v) for k, v in values.items()})
+    return res
+
+
+def _node_selector(spec: S.EmbeddingServiceSpec) -> dict[str, str]:
+    acc = spec.accelerator
+    sel: dict[str, str] = {}
+    if acc.cpu:
+        if acc.cpu.instruction_sets:  # x86 instruction sets imply amd64 nodes
+            sel["kubernetes.io/arch"] = "amd64"
+        for isa in acc.cpu.instruction_sets:
+            sel[f"feature.node.kubernetes.io/cpu-cpuid.{S.NFD_CPUID[isa]}"] = "true"
+    elif acc.mig and acc.mig.strategy == "single":
+        sel["nvidia.com/gpu.product"] = f"{S.GFD_PRODUCT[acc.mig.product]}-MIG-{acc.mig.profile}"
+        sel["nvidia.com/mig.config"] = f"all-{acc.mig.profile}"
+    elif acc.gpu and acc.gpu.product:
+        sel["nvidia.com/gpu.product"] = acc.gpu.product
+    sel.update(spec.node_selector or {})
+    return dict(sorted(sel.items()))
+
+
+def _args(spec: S.EmbeddingServiceSpec) -> list[str]:
+    m, b = spec.model, spec.batching
+    args = ["--model-id", m.id]
+    if m.revision:
+        args += ["--revision", m.revision]
+    args += ["--hostname", "0.0.0.0", "--port", str(SERVER_PORT),
+             "--dtype", dtype(spec),
+             "--served-model-name", served_model_name(spec),
+             "--max-batch-tokens", str(b.max_batch_tokens),
+             "--max-concurrent-requests", str(b.max_concurrent_requests),
+             "--max-client-batch-size", str(b.max_client_batch_size),
+             "--auto-truncate", "true" if b.auto_truncate else "false"]
+    if b.max_batch_requests:
+        args += ["--max-batch-requests", str(b.max_batch_requests)]
+    if m.pooling:
+        args += ["--pooling", m.pooling]
+    if m.prompts and m.prompts.default_prompt_name:
+        args += ["--default-prompt-name", m.prompts.default_prompt_name]
+    if m.prompts and m.prompts.default_prompt:
+        args += ["--default-prompt", m.prompts.default_prompt]
+    args.append("--json-output")
+    return args
+
+
+def _env(spec: S.EmbeddingServiceSpec, cache_dir: str | None) -> list[dict]:
+    env: list[dict] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "TMPDIR", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+    ]
+    if cache_dir:
+        env += [{"name": "HF_HOME", "value": cache_dir},
+                {"name": "HUGGINGFACE_HUB_CACHE", "value": f"{cache_dir}/hub"}]
+    src = spec.model.source
+    if src and (src.pvc or src.download):
+        env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
+    if spec.accelerator.cpu:
+        threads = str(spec.accelerator.cpu.cores)
+        env += [{"name": "OMP_NUM_THREADS", "value": threads},
+                {"name": "MKL_NUM_THREADS", "value": threads},
+                {"name": "ORT_NUM_THREADS", "value": threads},
+                {"name": "TOKENIZATION_WORKERS", "value": str(max(1, min(4, spec.accelerator.cpu.cores // 2)))}]
+    if spec.api_key_secret_ref:
+        env.append({"name": "API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": spec.api_key_secret_ref.name, "key": spec.api_key_secret_ref.key}}})
+    user = {e.get("name") for e in spec.env or []}
+    return [e for e in env if e["name"] not in user] + list(spec.env or [])
+
+
+def _probe(period: int, failures: int, timeout: int = 3) -> dict:
+    return {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": period,
+            "failureThreshold": failures, "timeoutSeconds": timeout}
+
+
+def pod_template(name: str, spec: S.EmbeddingServiceSpec, options: Options) -> dict:
+    task = detect_task(spec.model)
+    gpu = not spec.accelerator.cpu
+    image = spec.image or (options.cuda_image if gpu else options.cpu_image)
+    volumes: list[dict] = [{"name": "tmp", "emptyDir": {"sizeLimit": "2Gi"}}]
+    mounts: list[dict] = [{"name": "tmp", "mountPath": "/tmp"}]
+    init: list[dict] = []
+    src = spec.model.source
+    cache_dir: str | None
+    if src and src.pvc:
+        pvc: dict[str, Any] = {"name": "models", "mountPath": src.pvc.mount_path, "readOnly": True}
+        if src.pvc.sub_path:
+            pvc["subPath"] = src.pvc.sub_path
+        volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": src.pvc.claim_name,
+                                                                    "readOnly": True}})
+        mounts.append(pvc)
+        cache_dir = src.pvc.mount_path
+    else:
+        size = src.download.cache_size if src and src.download else "20Gi"
+        volumes.append({"name": "model-cache", "emptyDir": {"sizeLimit": size}})
+        mounts.append({"name": "model-cache", "mountPath": "/models"})
+        cache_dir = "/models"
+        if src and src.download:
+            dl_env = [{"name": "HOME", "value": "/tmp"},
+                      {"name": "HF_HOME", "value": "/models"},
+                      {"name": "HUGGINGFACE_HUB_CACHE", "value": "/models/hub"}]
+            if src.download.hf_token_secret_ref:
+                ref = src.download.hf_token_secret_ref
+                dl_env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+            cmd = ["hf", "download", spec.model.id]
+            if spec.model.revision:
+                cmd += ["--revision", spec.model.revision]
+            init.append({
+                "name": "download-model",
+                "image": src.download.image or image,
+                "command": cmd,
+                "env": dl_env,
+                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "model-cache", "mountPath": "/models"}],
+                "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+                "securityContext": _container_security(),
+            })
+    if gpu:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+
+    container: dict[str, Any] = {
+        "name": "server",
+        "image": image,
+        "command": ["embedops-server"],
+        "args": _args(spec),
+        "env": _env(spec, cache_dir),
+        "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        "resources": _resources(spec),
+        "startupProbe": _probe(period=5, failures=120),  # up to 10 minutes to load weights
+        "readinessProbe": _probe(period=5, failures=2),
+        "livenessProbe": _probe(period=10, failures=3, timeout=5),
+        "lifecycle": {"preStop": {"sleep": {"seconds": spec.drain_seconds}}} if spec.drain_seconds else None,
+        "volumeMounts": mounts,
+        "securityContext": _container_security(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    container = {k: v for k, v in container.items() if v is not None}
+
+    tolerations: list[dict] = []
+    if gpu:
+        tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"})
+    tolerations += list(spec.tolerations or [])
+
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.drain_seconds + 30,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": volumes,
+        "topologySpreadConstraints": [
+            {"maxSkew": 1, "topologyKey": key, "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": {"matchLabels": selector_labels(name)}, "matchLabelKeys": ["pod-template-hash"]}
+            for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")],
+    }
+    if init:
+        pod_spec["initContainers"] = init
+    node_selector = _node_selector(spec)
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    if spec.affinity:
+        pod_spec["affinity"] = spec.affinity
+    if spec.priority_class_name:
+        pod_spec["priorityClassName"] = spec.priority_class_name
+    if spec.service_account_name:
+        pod_spec["serviceAccountName"] = spec.service_account_name
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
+    metadata: dict[str, Any] = {"labels": common_labels(name, task)}
+    if spec.pod_annotations:
+        metadata["annotations"] = dict(sorted(spec.pod_annotations.items()))
+    return {"metadata": metadata, "spec": pod_spec}
+
+
+def _container_security() -> dict:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+# ---------------------------------------------------------------------------------------------------- children
+
+def _meta(name: str, namespace: str, labels: dict, owner: dict | None) -> dict:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels}
+    if owner:
+        meta["ownerReferences"] = [owner]
+    return meta
+
+
+def deployment(name: str, ns: str, spec: S.EmbeddingServiceSpec, options: Options, owner: dict | None) -> dict:
+    labels = common_labels(name, detect_task(spec.model))
+    if spec.accelerator.cpu:
+        strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    else:  # the old pod gives its slice/GPU up first: no deadlock when no spare accelerator exists
+        strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    dspec: dict[str, Any] = {}
+    if not spec.autoscaling:
+        dspec["replicas"] = spec.replicas
+    dspec.update({
+        "revisionHistoryLimit": 3,
+        "progressDeadlineSeconds": 600,
+        "selector": {"matchLabels": selector_labels(name)},
+        "strategy": strategy,
+        "template": pod_template(name, spec, options),
+    })
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, ns, labels, owner), "spec": dspec}
+
+
+def service(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dict | None) -> dict:
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner),
+            "spec": {"type": spec.service.type, "selector": selector_labels(name),
+                     "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http",
+                                "protocol": "TCP", "appProtocol": "http"}]}}
+
+
+def service_monitor(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dict | None) -> dict:
+    sm = spec.monitoring.service_monitor
+    labels = {**common_labels(name, detect_task(spec.model)), **sm.labels}
+    return {"apiVersion": SERVICEMONITOR[0], "kind": SERVICEMONITOR[1],
+            "metadata": _meta(name, ns, labels, owner),
+            "spec": {"selector": {"matchLabels": selector_labels(name)},
+                     "namespaceSelector": {"matchNames": [ns]},
+                     "endpoints": [{"port": "http", "path": "/metrics", "interval": sm.interval}]}}
+
+
+def http_route(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dict | None) -> dict:
+    gw = spec.gateway
+    assert gw is not None
+    prefix = gw.path_prefix
+    rules = []
+    for kind, path in ROUTE_PATHS[detect_task(spec.model)]:
+        rule: dict[str, Any] = {"matches": [{"path": {"type": kind, "value": prefix + path}}]}
+        if prefix:
+            rule["filters"] = [{"type": "URLRewrite", "urlRewrite": {"path": (
+                {"type": "ReplacePrefixMatch", "replacePrefixMatch": path} if kind == "PathPrefix"
+                else {"type": "ReplaceFullPath", "replaceFullPath": path})}}]
+        rule["backendRefs"] = [{"name": name, "port": spec.service.port}]
+        rules.append(rule)
+    parents = []
+    for p in gw.parent_refs:
+        ref: dict[str, Any] = {"name": p.name}
+        if p.namespace:
+            ref["namespace"] = p.namespace
+        if p.section_name:
+            ref["sectionName"] = p.section_name
+        parents.append(ref)
+    route_spec: dict[str, Any] = {"parentRefs": parents}
+    if gw.hostnames:
+        route_spec["hostnames"] = list(gw.hostnames)
+    route_spec["rules"] = rules
+    return {"apiVersion": HTTPROUTE[0], "kind": HTTPROUTE[1],
+            "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner), "spec": route_spec}
+
+
+def scaled_object(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dict | None) -> dict:
+    a = spec.autoscaling
+    assert a is not None
+    query = f'sum(te_queue_size{{namespace="{ns}",service="{name}"}})'
+    return {"apiVersion": SCALEDOBJECT[0], "kind": SCALEDOBJECT[1],
+            "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner),
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+                     "minReplicaCount": a.min_replicas, "maxReplicaCount": a.max_replicas,
+                     "pollingInterval": 15, "cooldownPeriod": a.cooldown_seconds,
+                     "fallback": {"failureThreshold": 3, "replicas": max(a.min_replicas, 1)},
+                     "triggers": [{"type": "prometheus", "metadata": {
+                         "serverAddress": a.prometheus_address, "query": query,
+                         "threshold": str(a.target_queue_depth), "ignoreNullValues": "true"}}]}}
+
+
+def hpa(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dict | None) -> dict:
+    a = spec.autoscaling
+    assert a is not None
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner),
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+                     "minReplicas": max(a.min_replicas, 1), "maxReplicas": a.max_replicas,
+                     "metrics": [{"type": "Pods", "pods": {
+                         "metric": {"name": "te_queue_size"},
+                         "target": {"type": "AverageValue", "averageValue": str(a.target_queue_depth)}}}],
+                     "behavior": {"scaleDown": {"stabilizationWindowSeconds": a.cooldown_seconds}}}}
+
+
+def pdb(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dict | None) -> dict | None:
+    floor = spec.autoscaling.min_replicas if spec.autoscaling else spec.replicas
+    if floor <= 1:
+        return None
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}}}
+
+
+_LITELLM = Environment(undefined=StrictUndefined, keep_trailing_newline=True, autoescape=False).from_string(
+    """# Managed by embedops for EmbeddingService {{ namespace }}/{{ name }}; merge into LiteLLM's model_list.
+model_list:
+- model_name: {{ model_name | tojson }}
+  litellm_params:
+{%- if task == "rerank" %}
+    model: {{ ("huggingface/" ~ served) | tojson }}
+    api_base: {{ base | tojson }}
+{%- else %}
+    model: {{ ("openai/" ~ served) | tojson }}
+    api_base: {{ (base ~ "/v1") | tojson }}
+{%- endif %}
+    api_key: {{ api_key | tojson }}
+  model_info:
+    mode: {{ "rerank" if task == "rerank" else "embedding" }}
+""")
+
+
+def litellm_key(name: str) -> str:
+    return f"embedops-{name}.yaml"
+
+
+def litellm_config_map(name: str, ns: str, spec: S.EmbeddingServiceSpec, options: Options) -> dict:
+    """This service's entries in the shared LiteLLM ConfigMap (one data key per service, own field manager).
+
+    No owner reference: the ConfigMap is shared and may be the user's; the key is removed on deletion.
+    """
+    ll = spec.litellm
+    assert ll is not None
+    served = served_model_name(spec)
+    env_name = "EMBEDOPS_" + "".join(c if c.isalnum() else "_" for c in name.upper()) + "_API_KEY"
+    text = _LITELLM.render(namespace=ns, name=name, model_name=ll.model_name or served, served=served,
+                           task=detect_task(spec.model), base=service_url(name, ns, spec, options),
+                           api_key=f"os.environ/{env_name}" if spec.api_key_secret_ref else "none")
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": ll.config_map_name, "namespace": ns},
+            "data": {litellm_key(name): text}}
+
+
+def owner_reference(resource: dict) -> dict | None:
+    meta = resource.get("metadata") or {}
+    if not meta.get("uid"):
+        return None
+    return {"apiVersion": S.API_VERSION, "kind": S.KIND, "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def render(resource: dict, options: Options | None = None) -> list[dict]:
+    """All manifests the operator applies for this EmbeddingService, in apply order.
+
+    Optional kinds absent from `options.capabilities` are left out (status reports them).
+    Each manifest carries an `embedops.dev/applied-hash` annotation of its own content.
+    """
+    options = options or Options()
+    es = S.parse(resource)
+    name = es.metadata["name"]
+    ns = es.metadata.get("namespace") or "default"
+    spec = es.spec
+    owner = owner_reference(resource)
+    out: list[dict] = [deployment(name, ns, spec, options, owner), service(name, ns, spec, owner)]
+    budget = pdb(name, ns, spec, owner)
+    if budget:
+        out.append(budget)
+    if spec.monitoring.service_monitor.enabled and SERVICEMONITOR in options.capabilities:
+        out.append(service_monitor(name, ns, spec, owner))
+    if spec.gateway and HTTPROUTE in options.capabilities:
+        out.append(http_route(name, ns, spec, owner))
+    scaler = autoscaler_kind(spec, options)
+    if scaler == "keda" and SCALEDOBJECT in options.capabilities:
+        out.append(scaled_object(name, ns, spec, owner))
+    elif scaler == "hpa":
+        out.append(hpa(name, ns, spec, owner))
+    if spec.litellm:
+        out.append(litellm_config_map(name, ns, spec, options))
+    for obj in out:
+        if obj["kind"] == "ConfigMap":  # shared with other services: no per-object annotation
+            continue
+        obj["metadata"].setdefault("annotations", {})[ANNOTATION_HASH] = content_hash(obj)
+    return out
+
+
+def missing_capabilities(resource: dict, options: Options) -> dict[str, str]:
+    """Requested optional features whose CRD is not installed: {feature: kind}."""
+    spec = S.parse(resource).spec
+    missing: dict[str, str] = {}
+    if spec.monitoring.service_monitor.enabled and SERVICEMONITOR not in options.capabilities:
+        missing["monitoring"] = SERVICEMONITOR[1]
+    if spec.gateway and HTTPROUTE not in options.capabilities:
+        missing["routes"] = HTTPROUTE[1]
+    if spec.autoscaling and spec.autoscaling.provider == "keda" and SCALEDOBJECT not in options.capabilities:
+        missing["autoscaling"] = SCALEDOBJECT[1]
+    return missing

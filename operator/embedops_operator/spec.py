@@ -1,0 +1,446 @@
+"""The EmbeddingService API: pydantic models are the single source of truth.
+
+`crd()` turns these models into the CustomResourceDefinition (structural openAPIV3Schema with defaults,
+enums and CEL `x-kubernetes-validations`), so the schema the API server enforces and the model the
+operator parses can never disagree. `crds/` and the Helm chart hold generated copies; a unit test fails
+when they drift.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic.alias_generators import to_camel
+
+GROUP = "embedops.dev"
+VERSION = "v1alpha1"
+KIND = "EmbeddingService"
+PLURAL = "embeddingservices"
+SINGULAR = "embeddingservice"
+SHORT_NAMES = ["embsvc"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# MIG profiles per GPU product (NVIDIA MIG user guide, "Supported MIG profiles"). The `+me` media-extension
+# variants are left out: their names are not valid Kubernetes extended-resource names.
+MIG_PROFILES: dict[str, list[str]] = {
+    "A30-24GB": ["1g.6gb", "2g.12gb", "4g.24gb"],
+    "A100-40GB": ["1g.5gb", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"],
+    "A100-80GB": ["1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"],
+    "H100-80GB": ["1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"],
+    "H100-94GB": ["1g.12gb", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"],
+    "H200-141GB": ["1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"],
+}
+ALL_MIG_PROFILES = sorted({p for ps in MIG_PROFILES.values() for p in ps},
+                          key=lambda p: (int(p.split("g.")[0]), int(p.split(".")[1][:-2])))
+# `nvidia.com/gpu.product` as GPU feature discovery labels these products (single strategy appends -MIG-<profile>).
+GFD_PRODUCT = {
+    "A30-24GB": "NVIDIA-A30",
+    "A100-40GB": "NVIDIA-A100-SXM4-40GB",
+    "A100-80GB": "NVIDIA-A100-SXM4-80GB",
+    "H100-80GB": "NVIDIA-H100-80GB-HBM3",
+    "H100-94GB": "NVIDIA-H100-NVL",
+    "H200-141GB": "NVIDIA-H200",
+}
+# CPU instruction sets → Node Feature Discovery cpuid flags.
+NFD_CPUID = {
+    "avx2": "AVX2",
+    "avx512f": "AVX512F",
+    "avx512_vnni": "AVX512VNNI",
+    "avx512_bf16": "AVX512BF16",
+    "avx_vnni": "AVXVNNI",
+    "amx_tile": "AMXTILE",
+    "amx_bf16": "AMXBF16",
+    "amx_int8": "AMXINT8",
+}
+InstructionSet = Literal["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16",
+                         "amx_int8"]
+Task = Literal["embed", "rerank", "classify", "sparse"]
+
+FreeObject = Annotated[dict[str, Any], WithJsonSchema(
+    {"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
+FreeList = Annotated[list[dict[str, Any]], WithJsonSchema(
+    {"type": "array", "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}})]
+Quantity = Annotated[str, Field(pattern=r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$")]
+
+
+def cel(rule: str, message: str | None = None, message_expression: str | None = None,
+        field_path: str | None = None, reason: str | None = None) -> dict:
+    out: dict[str, Any] = {"rule": rule}
+    if message:
+        out["message"] = message
+    if message_expression:
+        out["messageExpression"] = message_expression
+    if field_path:
+        out["fieldPath"] = field_path
+    if reason:
+        out["reason"] = reason
+    return out
+
+
+def validations(*rules: dict) -> ConfigDict:
+    return {"json_schema_extra": {"x-kubernetes-validations": list(rules)}}
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+# ---------------------------------------------------------------------------------------------------- model
+
+class SecretKeyRef(Model):
+    name: str = Field(min_length=1)
+    key: str = Field("token")
+
+
+class PVCSource(Model):
+    """A PersistentVolumeClaim holding a Hugging Face cache or model folders, mounted read-only."""
+    claim_name: str = Field(min_length=1, description="Name of the PersistentVolumeClaim.")
+    sub_path: str | None = Field(None, description="Sub-path inside the volume to mount.")
+    mount_path: str = Field("/models", pattern=r"^/.*", description="Where the volume is mounted.")
+
+
+class DownloadSource(Model):
+    """An init container fills an emptyDir cache before the server starts."""
+    cache_size: Quantity = Field("20Gi", description="Size limit of the cache emptyDir.")
+    image: str | None = Field(None, description="Image for the download step (default: the server image).")
+    hf_token_secret_ref: SecretKeyRef | None = Field(None, description="Secret holding a Hugging Face token.")
+
+
+class ModelSource(Model):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, json_schema_extra={
+        "x-kubernetes-validations": [cel("!(has(self.pvc) && has(self.download))",
+                                         "model.source: set at most one of pvc or download")]})
+    pvc: PVCSource | None = None
+    download: DownloadSource | None = None
+
+
+class Prompts(Model):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, json_schema_extra={
+        "x-kubernetes-validations": [cel("!(has(self.defaultPromptName) && has(self.defaultPrompt))",
+                                         "model.prompts: defaultPromptName and defaultPrompt are exclusive")]})
+    default_prompt_name: str | None = Field(None, description="Key of `prompts` in the model's sentence-transformers config.")
+    default_prompt: str | None = Field(None, description="Literal prefix added to every input.")
+
+
+class ModelSpec(Model):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, json_schema_extra={
+        "x-kubernetes-validations": [
+            cel("!has(self.pooling) || !has(self.task) || self.task != 'rerank'",
+                "model.pooling does not apply to rerank models (they use their classifier head)"),
+            cel("!has(self.pooling) || self.pooling != 'splade' || !has(self.task) || self.task == 'sparse'",
+                "model.pooling splade requires task sparse"),
+        ]})
+    id: str = Field(min_length=1, max_length=512,
+                    description="Hugging Face model id (e.g. BAAI/bge-m3) or a local path inside the pod.")
+    revision: str | None = Field(None, description="Model revision (commit, branch or tag).")
+    task: Task | None = Field(None, description="embed, rerank, classify or sparse; detected from the id when omitted.")
+    pooling: Literal["cls", "mean", "splade", "last-token"] | None = Field(None, description="Pooling override.")
+    dtype: Literal["float16", "float32", "bfloat16"] | None = Field(
+        None, description="Weights dtype; default float16 on GPU/MIG, float32 on CPU.")
+    served_model_name: str | None = Field(None, description="Model name reported on OpenAI routes.")
+    max_input_length: int | None = Field(None, ge=1, description="Longest input (tokens) the service must accept.")
+    prompts: Prompts | None = None
+    source: ModelSource | None = Field(None, description="Where the weights come from (default: downloaded by the server at start).")
+
+
+# ---------------------------------------------------------------------------------------------------- hardware
+
+def _mig_rule() -> dict:
+    branches = " : ".join(
+        f"self.product == '{prod}' ? self.profile in {profiles!r}".replace('"', "'")
+        for prod, profiles in MIG_PROFILES.items()) + " : false"
+    msg = " : ".join(
+        f"self.product == '{prod}' ? 'MIG profile ' + self.profile + ' is not offered by {prod}; valid: "
+        f"{', '.join(profiles)}'" for prod, profiles in MIG_PROFILES.items()) + " : 'unknown GPU product'"
+    return cel(branches, "MIG profile is not offered by the GPU product", message_expression=msg,
+               field_path=".profile", reason="FieldValueInvalid")
+
+
+class MIG(Model):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True,
+                              json_schema_extra={"x-kubernetes-validations": [_mig_rule()]})
+    profile: Literal[tuple(ALL_MIG_PROFILES)] = Field(  # type: ignore[valid-type]
+        description="MIG profile, e.g. 1g.10gb (H100-80GB) or 1g.18gb (H200).")
+    product: Literal[tuple(MIG_PROFILES)] = Field(  # type: ignore[valid-type]
+        "H100-80GB", description="GPU product the slices come from; validates the profile.")
+    count: int = Field(1, ge=1, le=7, description="Slices per replica.")
+    strategy: Literal["mixed", "single"] = Field(
+        "mixed", description="GPU operator MIG strategy: mixed → nvidia.com/mig-<profile>; single → nvidia.com/gpu.")
+
+
+class GPU(Model):
+    count: int = Field(1, ge=1, le=16, description="Whole GPUs per replica.")
+    product: str | None = Field(None, description="Required nvidia.com/gpu.product label value.")
+
+
+class CPU(Model):
+    cores: int = Field(4, ge=1, le=256, description="CPU cores per replica (request = limit; sets thread counts).")
+    memory: Quantity = Field("4Gi", description="Memory per replica.")
+    instruction_sets: list[InstructionSet] = Field(
+        default_factory=list, description="Required instruction sets, mapped to NFD cpuid labels.",
+        json_schema_extra={"x-kubernetes-list-type": "set"})
+
+
+class Accelerator(Model):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, json_schema_extra={
+        "x-kubernetes-validations": [cel(
+            "(has(self.mig) ? 1 : 0) + (has(self.gpu) ? 1 : 0) + (has(self.cpu) ? 1 : 0) == 1",
+            "accelerator: set exactly one of mig, gpu or cpu")]})
+    mig: MIG | None = None
+    gpu: GPU | None = None
+    cpu: CPU | None = None
+
+
+# ---------------------------------------------------------------------------------------------------- serving
+
+class Batching(Model):
+    max_batch_tokens: int = Field(16384, ge=1, description="Token budget per forward batch.")
+    max_batch_requests: int | None = Field(None, ge=1, description="Cap on sequences per batch.")
+    max_concurrent_requests: int = Field(512, ge=1, description="Inputs admitted concurrently (429 beyond).")
+    max_client_batch_size: int = Field(32, ge=1, description="Inputs per request.")
+    auto_truncate: bool = Field(True, description="Truncate over-long inputs instead of refusing them.")
+
+
+class Autoscaling(Model):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, json_schema_extra={
+        "x-kubernetes-validations": [cel("self.minReplicas <= self.maxReplicas",
+                                         "autoscaling: minReplicas must not exceed maxReplicas")]})
+    min_replicas: int = Field(1, ge=0, description="Lower bound (0 = scale to zero, KEDA only).")
+    max_replicas: int = Field(ge=1, description="Upper bound.")
+    target_queue_depth: int = Field(16, ge=1, description="Target te_queue_size per replica.")
+    cooldown_seconds: int = Field(300, ge=0)
+    provider: Literal["auto", "keda", "hpa"] = Field(
+        "auto", description="auto: KEDA ScaledObject when KEDA is installed, else an HPA.")
+    prometheus_address: str = Field("http://prometheus-operated.monitoring.svc:9090",
+                                    description="Prometheus queried by KEDA.")
+
+
+class ServiceSpec(Model):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = Field(80, ge=1, le=65535)
+
+
+class ParentRef(Model):
+    name: str = Field(min_length=1)
+    namespace: str | None = None
+    section_name: str | None = None
+
+
+class Gateway(Model):
+    parent_refs: list[ParentRef] = Field(min_length=1)
+    hostnames: list[str] = Field(default_factory=list)
+    path_prefix: str = Field("", pattern=r"^(/[A-Za-z0-9._~-]+)*$",
+                             description="Optional prefix (e.g. /bge-m3), stripped before the service.")
+
+
+class LiteLLM(Model):
+    config_map_name: str = Field(min_length=1, description="ConfigMap to which this model's entries are added.")
+    model_name: str | None = Field(None, description="LiteLLM model_name (default: served model name).")
+
+
+class ServiceMonitor(Model):
+    enabled: bool = True
+    interval: str = Field("30s", pattern=r"^[0-9]+(ms|s|m|h)$")
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class Monitoring(Model):
+    service_monitor: ServiceMonitor = Field(default_factory=ServiceMonitor, json_schema_extra={"default": {}})
+
+
+class LocalObjectReference(Model):
+    name: str
+
+
+class EmbeddingServiceSpec(Model):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, json_schema_extra={
+        "x-kubernetes-validations": [
+            cel("!has(self.model.maxInputLength) || self.batching.maxBatchTokens >= self.model.maxInputLength",
+                "batching.maxBatchTokens must be at least model.maxInputLength (the longest accepted input)",
+                message_expression="'batching.maxBatchTokens (' + string(self.batching.maxBatchTokens) + "
+                                   "') must be at least model.maxInputLength (' + string(self.model.maxInputLength) + "
+                                   "'), the longest accepted input'",
+                reason="FieldValueInvalid"),
+            cel("!has(self.accelerator.cpu) || !has(self.model.dtype) || self.model.dtype != 'float16'",
+                "model.dtype float16 is not supported on CPU; use float32 or bfloat16"),
+            cel("!has(self.autoscaling) || self.autoscaling.minReplicas > 0 || self.autoscaling.provider != 'hpa'",
+                "autoscaling.minReplicas 0 (scale to zero) needs provider keda or auto"),
+        ]})
+    model: ModelSpec
+    accelerator: Accelerator
+    batching: Batching = Field(default_factory=Batching, json_schema_extra={"default": {}})
+    replicas: int = Field(1, ge=0, le=1000, description="Replicas (ignored while autoscaling is set).")
+    autoscaling: Autoscaling | None = None
+    service: ServiceSpec = Field(default_factory=ServiceSpec, json_schema_extra={"default": {}})
+    gateway: Gateway | None = None
+    litellm: LiteLLM | None = None
+    monitoring: Monitoring = Field(default_factory=Monitoring, json_schema_extra={"default": {}})
+    api_key_secret_ref: SecretKeyRef | None = Field(None, description="Secret key holding the API key (env API_KEY).")
+    drain_seconds: int = Field(15, ge=0, le=600, description="preStop delay that lets in-flight requests finish.")
+    # pod-level overrides
+    image: str | None = None
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    resources: FreeObject | None = None
+    env: FreeList | None = None
+    node_selector: dict[str, str] | None = None
+    tolerations: FreeList | None = None
+    affinity: FreeObject | None = None
+    priority_class_name: str | None = None
+    pod_annotations: dict[str, str] | None = None
+    service_account_name: str | None = None
+    image_pull_secrets: list[LocalObjectReference] | None = None
+
+
+# ---------------------------------------------------------------------------------------------------- status
+
+class Condition(Model):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class Endpoints(Model):
+    service: str | None = Field(None, description="In-cluster base URL.")
+    openai: str | None = Field(None, description="OpenAI-compatible base URL (…/v1).")
+    rerank: str | None = None
+    external: str | None = None
+
+
+class EmbeddingServiceStatus(Model):
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    replicas: int | None = None
+    ready_replicas: int | None = None
+    updated_replicas: int | None = None
+    available_replicas: int | None = None
+    selector: str | None = None
+    task: str | None = None
+    accelerator: str | None = None
+    replicas_summary: str | None = Field(None, description="ready/desired, for kubectl get.")
+    url: str | None = None
+    endpoints: Endpoints | None = None
+
+
+class EmbeddingService(Model):
+    api_version: str = API_VERSION
+    kind: str = KIND
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: EmbeddingServiceSpec
+    status: EmbeddingServiceStatus | None = None
+
+
+# ---------------------------------------------------------------------------------------------------- CRD
+
+_KEEP = {"type", "description", "default", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern",
+         "minItems", "maxItems", "items", "properties", "required", "additionalProperties", "format"}
+
+
+def _structural(node: Any, defs: dict) -> Any:
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = defs[node["$ref"].split("/")[-1]]
+        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        if "x-kubernetes-validations" in target and "x-kubernetes-validations" in node:
+            merged["x-kubernetes-validations"] = target["x-kubernetes-validations"] + node["x-kubernetes-validations"]
+        return _structural(merged, defs)
+    if "allOf" in node and len(node["allOf"]) == 1:
+        rest = {k: v for k, v in node.items() if k != "allOf"}
+        return _structural({**node["allOf"][0], **rest}, defs)
+    if "anyOf" in node:
+        options = [o for o in node["anyOf"] if o.get("type") != "null"]
+        rest = {k: v for k, v in node.items() if k != "anyOf"}
+        if node.get("default", "x") is None:
+            rest.pop("default")
+        if len(options) != 1:
+            raise ValueError(f"non-structural union: {node}")
+        return _structural({**options[0], **rest}, defs)
+    if "const" in node:
+        node = {**node, "enum": [node["const"]]}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key.startswith("x-kubernetes-"):
+            out[key] = value
+        elif key not in _KEEP:
+            continue
+        elif key == "properties":
+            out[key] = {k: _structural(v, defs) for k, v in value.items()}
+        elif key in ("items", "additionalProperties") and isinstance(value, dict):
+            out[key] = _structural(value, defs)
+        elif key == "default" and value is None:
+            continue
+        else:
+            out[key] = value
+    if "enum" in out and "type" not in out:
+        out["type"] = "string"
+    if out.get("type") == "object" and "properties" not in out and "additionalProperties" not in out:
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    return out
+
+
+def openapi_schema(model: type[BaseModel]) -> dict:
+    raw = model.model_json_schema(by_alias=True, mode="validation", ref_template="#/$defs/{model}")
+    defs = raw.pop("$defs", {})
+    return _structural(raw, defs)
+
+
+PRINTER_COLUMNS = [
+    {"name": "Model", "type": "string", "jsonPath": ".spec.model.id"},
+    {"name": "Task", "type": "string", "jsonPath": ".status.task"},
+    {"name": "Accelerator", "type": "string", "jsonPath": ".status.accelerator"},
+    {"name": "Replicas", "type": "string", "jsonPath": ".status.replicasSummary",
+     "description": "ready/desired replicas"},
+    {"name": "URL", "type": "string", "jsonPath": ".status.url"},
+    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason', "priority": 1},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def crd() -> dict:
+    spec_schema = openapi_schema(EmbeddingServiceSpec)
+    status_schema = openapi_schema(EmbeddingServiceStatus)
+    spec_schema["description"] = "Desired state of an embeddings/reranker service."
+    status_schema["description"] = "Observed state, kstatus-compatible (observedGeneration, Ready/Reconciling/Stalled)."
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}",
+                     "labels": {"app.kubernetes.io/name": "embedops-operator", "app.kubernetes.io/part-of": "embedops"}},
+        "spec": {
+            "group": GROUP,
+            "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": SINGULAR,
+                      "shortNames": SHORT_NAMES, "categories": ["embedops", "ai"]},
+            "scope": "Namespaced",
+            "versions": [{
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}, "scale": {"specReplicasPath": ".spec.replicas",
+                                                         "statusReplicasPath": ".status.replicas",
+                                                         "labelSelectorPath": ".status.selector"}},
+                "additionalPrinterColumns": PRINTER_COLUMNS,
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": "EmbeddingService runs a TEI-compatible embeddings or reranker service.",
+                    "required": ["spec"],
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "metadata": {"type": "object"},
+                        "spec": spec_schema,
+                        "status": status_schema,
+                    },
+                }},
+            }],
+        },
+    }
+
+
+def parse(resource: dict) -> EmbeddingService:
+    """Parse a manifest dict (defaults are applied as the API server would)."""
+    return EmbeddingService.model_validate(resource)
