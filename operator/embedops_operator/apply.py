@@ -1,0 +1,220 @@
+"""Server-side apply of rendered children, with no write when nothing changed.
+
+One field manager (`embedops`) for everything the operator owns. Before applying, the live object is
+read: when it already carries the desired content hash and contains every desired field, nothing is sent.
+Otherwise a server-side dry-run apply tells whether the real apply would change anything; only then is the
+object written. A resync therefore never bumps a child's resourceVersion.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any, Iterable
+
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.rest import ApiException
+
+from . import render as R
+from . import spec as S
+
+log = logging.getLogger("embedops.apply")
+
+# Kinds the operator writes: (apiVersion, kind) → plural. Children are pruned from this list only.
+PLURALS: dict[tuple[str, str], str] = {
+    ("apps/v1", "Deployment"): "deployments",
+    ("v1", "Service"): "services",
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Pod"): "pods",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
+    (S.API_VERSION, S.KIND): S.PLURAL,
+    R.SERVICEMONITOR: "servicemonitors",
+    R.HTTPROUTE: "httproutes",
+    R.SCALEDOBJECT: "scaledobjects",
+}
+OWNED_KINDS = [("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"),
+               ("autoscaling/v2", "HorizontalPodAutoscaler"), R.SERVICEMONITOR, R.HTTPROUTE, R.SCALEDOBJECT]
+VOLATILE_META = ("managedFields", "resourceVersion", "generation", "creationTimestamp", "uid", "selfLink")
+
+
+def is_subset(desired: Any, live: Any) -> bool:
+    """Every field of `desired` is present with the same value in `live` (lists: same length, element-wise)."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(k in live and is_subset(v, live[k]) for k, v in desired.items())
+    if isinstance(desired, list):
+        return isinstance(live, list) and len(desired) == len(live) and all(
+            is_subset(d, x) for d, x in zip(desired, live))
+    if desired == live:
+        return True
+    return str(desired) == str(live)  # int-or-string fields, canonical quantities
+
+
+def comparable(obj: dict) -> dict:
+    out = {k: v for k, v in obj.items() if k != "status"}
+    out["metadata"] = {k: v for k, v in (obj.get("metadata") or {}).items() if k not in VOLATILE_META}
+    return out
+
+
+class Kube:
+    """A thin REST client over the official kubernetes client's ApiClient."""
+
+    def __init__(self, api_client: k8s.ApiClient | None = None, capability_ttl: float = 10.0):
+        if api_client is None:
+            try:
+                k8s_config.load_incluster_config()
+            except k8s_config.ConfigException:
+                k8s_config.load_kube_config()
+            api_client = k8s.ApiClient()
+        self.api = api_client
+        self.capability_ttl = capability_ttl
+        self._caps: tuple[float, frozenset] | None = None
+        self._lock = threading.Lock()
+        self.writes = 0  # counted for tests and logs
+
+    # ------------------------------------------------------------------ raw
+    def request(self, method: str, path: str, query: list | None = None, body: Any = None,
+                content_type: str = "application/json") -> Any:
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        method, url, headers, body, post = self.api.param_serialize(
+            method=method, resource_path=path, query_params=query or [], header_params=headers, body=body,
+            auth_settings=["BearerToken"])
+        resp = self.api.call_api(method, url, header_params=headers, body=body, post_params=post,
+                                 _request_timeout=30)
+        data = resp.read()
+        if not 200 <= resp.status < 300:
+            raise ApiException(status=resp.status, reason=resp.reason,
+                               body=data.decode("utf-8", "replace") if data else "")
+        return json.loads(data) if data else {}
+
+    @staticmethod
+    def path(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:
+        plural = PLURALS[(api_version, kind)]
+        base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+        if namespace:
+            base += f"/namespaces/{namespace}"
+        base += f"/{plural}"
+        return base + (f"/{name}" if name else "")
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        try:
+            return self.request("GET", self.path(api_version, kind, namespace, name))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(self, api_version: str, kind: str, namespace: str | None, selector: str | None = None) -> list[dict]:
+        query = [("labelSelector", selector)] if selector else []
+        return self.request("GET", self.path(api_version, kind, namespace), query=query).get("items", [])
+
+    def apply(self, obj: dict, manager: str = R.MANAGER, dry_run: bool = False) -> dict:
+        meta = obj["metadata"]
+        query = [("fieldManager", manager), ("force", "true")]
+        if dry_run:
+            query.append(("dryRun", "All"))
+        else:
+            self.writes += 1
+        return self.request("PATCH", self.path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"]),
+                            query=query, body=obj, content_type="application/apply-patch+yaml")
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str | None = None) -> None:
+        body = {"propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
+        self.writes += 1
+        try:
+            self.request("DELETE", self.path(api_version, kind, namespace, name), body=body)
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
+
+    def patch_status(self, resource: dict, status: dict) -> dict:
+        meta = resource["metadata"]
+        self.writes += 1
+        ops = [{"op": "add", "path": "/status", "value": status}]
+        return self.request("PATCH", self.path(S.API_VERSION, S.KIND, meta["namespace"], meta["name"]) + "/status",
+                            body=ops, content_type="application/json-patch+json")
+
+    # ------------------------------------------------------------------ discovery
+    def capabilities(self) -> frozenset[tuple[str, str]]:
+        """Which optional third-party kinds the API server serves (cached briefly; picks up later installs)."""
+        with self._lock:
+            if self._caps and time.monotonic() - self._caps[0] < self.capability_ttl:
+                return self._caps[1]
+        found = set()
+        for api_version, kind in R.OPTIONAL_KINDS:
+            try:
+                res = self.request("GET", f"/apis/{api_version}")
+            except ApiException as exc:
+                if exc.status in (404, 503):
+                    continue
+                raise
+            if any(r.get("kind") == kind for r in res.get("resources", [])):
+                found.add((api_version, kind))
+        caps = frozenset(found)
+        with self._lock:
+            self._caps = (time.monotonic(), caps)
+        return caps
+
+    def forget_capabilities(self) -> None:
+        with self._lock:
+            self._caps = None
+
+
+def needs_write(kube: Kube, desired: dict, manager: str = R.MANAGER) -> bool:
+    meta = desired["metadata"]
+    live = kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+    if live is None:
+        return True
+    want_hash = (meta.get("annotations") or {}).get(R.ANNOTATION_HASH)
+    live_hash = ((live.get("metadata") or {}).get("annotations") or {}).get(R.ANNOTATION_HASH)
+    if want_hash == live_hash and is_subset(desired, live):
+        return False
+    preview = kube.apply(desired, manager=manager, dry_run=True)
+    return comparable(preview) != comparable(live)
+
+
+def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> list[str]:
+    """Apply each manifest that differs from the cluster; returns 'Kind/name' of those written."""
+    written = []
+    for obj in manifests:
+        # The shared LiteLLM ConfigMap gets one field manager per service, so services never remove
+        # each other's keys.
+        manager = f"{R.MANAGER}-litellm-{service_name}" if obj["kind"] == "ConfigMap" else R.MANAGER
+        if needs_write(kube, obj, manager=manager):
+            kube.apply(obj, manager=manager)
+            written.append(f"{obj['kind']}/{obj['metadata']['name']}")
+    return written
+
+
+def prune(kube: Kube, resource: dict, desired: list[dict], capabilities: frozenset) -> list[str]:
+    """Delete children this EmbeddingService owns that are no longer rendered (e.g. HPA → ScaledObject)."""
+    meta = resource["metadata"]
+    uid, ns, name = meta.get("uid"), meta["namespace"], meta["name"]
+    keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
+    selector = f"{R.LABEL_MANAGED_BY}={R.MANAGER},{R.LABEL_SERVICE}={name}"
+    deleted = []
+    for api_version, kind in OWNED_KINDS:
+        if (api_version, kind) in R.OPTIONAL_KINDS and (api_version, kind) not in capabilities:
+            continue
+        for item in kube.list(api_version, kind, ns, selector):
+            im = item["metadata"]
+            owned = any(ref.get("uid") == uid for ref in im.get("ownerReferences") or [])
+            if owned and (kind, im["name"]) not in keep:
+                kube.delete(api_version, kind, ns, im["name"], uid=im.get("uid"))
+                deleted.append(f"{kind}/{im['name']}")
+    return deleted
+
+
+def remove_litellm_entry(kube: Kube, namespace: str, config_map: str, service_name: str) -> None:
+    """Drop this service's key from the shared LiteLLM ConfigMap (apply an empty intent for its manager)."""
+    live = kube.get("v1", "ConfigMap", namespace, config_map)
+    if live is None or R.litellm_key(service_name) not in (live.get("data") or {}):
+        return
+    kube.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": config_map, "namespace": namespace}},
+               manager=f"{R.MANAGER}-litellm-{service_name}")

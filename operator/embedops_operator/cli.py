@@ -1,0 +1,108 @@
+"""`embedops-operator`: run the operator, render manifests offline, print the CRD."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from . import render as R
+from . import spec as S
+from . import yamlio
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname,
+               "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def _setup_logging(fmt: str, verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import kopf
+
+    _setup_logging(args.log_format, args.verbose)
+    namespaces = [n for arg in args.namespace for n in arg.split(",") if n]
+    os.environ["EMBEDOPS_NAMESPACES"] = ",".join(namespaces)
+    if args.resync_seconds:
+        os.environ["EMBEDOPS_RESYNC_SECONDS"] = str(args.resync_seconds)
+    if args.stall_after_seconds:
+        os.environ["EMBEDOPS_STALL_AFTER_SECONDS"] = str(args.stall_after_seconds)
+    from . import handlers  # noqa: F401 - registers the handlers
+
+    asyncio.run(kopf.operator(
+        standalone=True,
+        clusterwide=not namespaces,
+        namespaces=namespaces or None,
+        liveness_endpoint=args.liveness or None,
+    ))
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    text = sys.stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()
+    capabilities = frozenset(R.OPTIONAL_KINDS)
+    if args.without:
+        skip = {k.lower() for k in args.without}
+        capabilities = frozenset(c for c in capabilities if c[1].lower() not in skip)
+    options = R.Options.from_env(capabilities)
+    out: list[dict] = []
+    for doc in yamlio.load_all(text):
+        if doc.get("kind") != S.KIND:
+            continue
+        doc.setdefault("metadata", {}).setdefault("namespace", args.namespace)
+        out.extend(R.render(doc, options))
+    sys.stdout.write(yamlio.dump_all(out))
+    return 0
+
+
+def cmd_crd(_: argparse.Namespace) -> int:
+    sys.stdout.write(yamlio.dump(S.crd()))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="embedops-operator", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the operator (kopf) against the current kubeconfig / in-cluster")
+    run.add_argument("-n", "--namespace", action="append", default=[],
+                     help="namespace to watch (repeat or comma-separate); default: all namespaces")
+    run.add_argument("--log-format", choices=["text", "json"], default="text")
+    run.add_argument("--verbose", action="store_true")
+    run.add_argument("--resync-seconds", type=float, default=None)
+    run.add_argument("--stall-after-seconds", type=float, default=None)
+    run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
+                     help="liveness endpoint URL ('' to disable)")
+    run.set_defaults(func=cmd_run)
+    ren = sub.add_parser("render", help="print the manifests the operator would apply (no cluster needed)")
+    ren.add_argument("-f", "--file", required=True, help="EmbeddingService manifest(s); '-' for stdin")
+    ren.add_argument("-n", "--namespace", default="default", help="namespace when the manifest has none")
+    ren.add_argument("--without", action="append", default=[],
+                     help="pretend an optional CRD is absent: ServiceMonitor, HTTPRoute, ScaledObject")
+    ren.set_defaults(func=cmd_render)
+    crd = sub.add_parser("crd", help="print the EmbeddingService CustomResourceDefinition")
+    crd.set_defaults(func=cmd_crd)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Level-based reconciliation of one EmbeddingService: render → apply (only when different) → prune → status.
+
+Kept free of kopf so it can be driven by handlers, the resync loop and tests alike.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from kubernetes.client.rest import ApiException
+from pydantic import ValidationError
+
+from . import apply as A
+from . import render as R
+from . import spec as S
+from . import status as ST
+
+log = logging.getLogger("embedops.reconcile")
+
+
+@dataclass
+class Settings:
+    stall_after: float = 60.0
+    namespaces: list[str] = field(default_factory=list)  # empty: all
+    resync_seconds: float = 60.0
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        ns = [n for n in os.environ.get("EMBEDOPS_NAMESPACES", "").split(",") if n.strip()]
+        return cls(stall_after=float(os.environ.get("EMBEDOPS_STALL_AFTER_SECONDS", "60")),
+                   namespaces=[n.strip() for n in ns],
+                   resync_seconds=float(os.environ.get("EMBEDOPS_RESYNC_SECONDS", "60")))
+
+
+def _api_message(exc: ApiException) -> str:
+    import json
+    try:
+        return json.loads(exc.body).get("message", str(exc.body))
+    except Exception:  # noqa: BLE001
+        return f"{exc.status} {exc.reason}"
+
+
+class Reconciler:
+    def __init__(self, kube: A.Kube, settings: Settings | None = None):
+        self.kube = kube
+        self.settings = settings or Settings()
+        self._locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+        self._guard = threading.Lock()
+
+    def _lock(self, key: tuple[str, str]) -> threading.Lock:
+        with self._guard:
+            return self._locks[key]
+
+    def options(self) -> R.Options:
+        return R.Options.from_env(self.kube.capabilities())
+
+    def reconcile(self, namespace: str, name: str, apply_children: bool = True) -> dict | None:
+        """Bring one EmbeddingService's children and status up to date. Returns the written status or None."""
+        with self._lock((namespace, name)):
+            resource = self.kube.get(S.API_VERSION, S.KIND, namespace, name)
+            if resource is None or resource["metadata"].get("deletionTimestamp"):
+                return None
+            options = self.options()
+            observed = ST.Observed()
+            manifests: list[dict] | None = None
+            try:
+                manifests = R.render(resource, options)
+            except ValidationError as exc:
+                observed.invalid = "; ".join(
+                    f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+            if manifests is not None:
+                observed.missing = R.missing_capabilities(resource, options)
+                if apply_children:
+                    try:
+                        written = A.apply_all(self.kube, manifests, name)
+                        pruned = A.prune(self.kube, resource, manifests, options.capabilities)
+                        if written or pruned:
+                            log.info("%s/%s: applied %s, pruned %s", namespace, name, written, pruned)
+                    except ApiException as exc:
+                        msg = _api_message(exc)
+                        if exc.status in (400, 422):
+                            observed.invalid = f"a rendered child was refused: {msg}"
+                        else:
+                            observed.apply_error = msg
+                        log.warning("%s/%s: apply failed: %s", namespace, name, msg)
+                        if exc.status >= 500 or exc.status in (409, 429):
+                            self.kube.forget_capabilities()
+            observed.deployment = self.kube.get("apps/v1", "Deployment", namespace, name)
+            observed.pods = self.kube.list("v1", "Pod", namespace, R.selector_string(name))
+            return self.write_status(resource, observed, options)
+
+    def write_status(self, resource: dict, observed: ST.Observed, options: R.Options) -> dict | None:
+        new = ST.normalized(ST.compute(resource, observed, options, stall_after=self.settings.stall_after))
+        if new == ST.normalized(resource.get("status")):
+            return None
+        self.kube.patch_status(resource, new)
+        return new
+
+    def list_all(self) -> list[tuple[str, str]]:
+        keys = []
+        for ns in self.settings.namespaces or [None]:
+            for item in self.kube.list(S.API_VERSION, S.KIND, ns):
+                keys.append((item["metadata"]["namespace"], item["metadata"]["name"]))
+        return keys
+
+    def resync(self) -> None:
+        self.kube.forget_capabilities()
+        for ns, name in self.list_all():
+            try:
+                self.reconcile(ns, name)
+            except Exception:  # noqa: BLE001 - one broken object must not stop the loop
+                log.exception("resync of %s/%s failed", ns, name)
+
+    def forget(self, namespace: str, name: str, body: dict) -> None:
+        ll = ((body.get("spec") or {}).get("litellm") or {}).get("configMapName")
+        if ll:
+            A.remove_litellm_entry(self.kube, namespace, ll, name)
+        with self._guard:
+            self._locks.pop((namespace, name), None)

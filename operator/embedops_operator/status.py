@@ -1,0 +1,196 @@
+"""Pure status computation: (resource, observed children, pods) → kstatus-compatible status.
+
+kstatus reads `observedGeneration`, `Reconciling=True` (in progress), `Stalled=True` (failed) and
+`Ready=True` (current). `lastTransitionTime` is kept from the previous status unless the condition's
+status flips, so recomputing an unchanged situation yields an identical status (and no write).
+"""
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import render as R
+from . import spec as S
+
+IMAGE_PULL = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
+CONFIG_ERRORS = {"CreateContainerConfigError", "CreateContainerError"}
+FEATURE_CONDITIONS = {"monitoring": "MonitoringReady", "routes": "RoutesReady", "autoscaling": "AutoscalingReady"}
+
+
+@dataclass
+class Observed:
+    deployment: dict | None = None
+    pods: list[dict] = field(default_factory=list)
+    missing: dict[str, str] = field(default_factory=dict)  # feature → missing CRD kind
+    invalid: str | None = None  # a spec problem found outside the schema
+    apply_error: str | None = None
+
+
+def _parse_time(value: str | None) -> dt.datetime | None:
+    if not value:
+        return None
+    return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def _fmt(now: dt.datetime) -> str:
+    return now.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _pod_problem(pods: list[dict], now: dt.datetime, stall_after: float) -> tuple[str, str] | None:
+    """The first terminal-looking pod problem: (reason, message)."""
+    for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("name", "")):
+        if pod.get("metadata", {}).get("deletionTimestamp"):
+            continue
+        st = pod.get("status") or {}
+        for cond in st.get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
+                    and cond.get("reason") == "Unschedulable":
+                since = _parse_time(cond.get("lastTransitionTime")) or now
+                if (now - since).total_seconds() >= stall_after:
+                    msg = cond.get("message", "")
+                    reason = "InsufficientAccelerator" if "nvidia.com/" in msg else "Unschedulable"
+                    return reason, f"pod {pod['metadata']['name']} cannot be scheduled: {msg}"
+        for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            why = waiting.get("reason", "")
+            detail = f"container {cs.get('name')} of pod {pod['metadata']['name']}: {why}"
+            if waiting.get("message"):
+                detail += f": {waiting['message']}"
+            if why == "CrashLoopBackOff":
+                return "CrashLoop", detail
+            if why in IMAGE_PULL:
+                return "ImagePullFailure", detail
+            if why in CONFIG_ERRORS:
+                return "ConfigError", detail
+    return None
+
+
+def _condition(old: dict[str, dict], ctype: str, status: str, reason: str, message: str,
+               generation: int | None, now: dt.datetime) -> dict:
+    prev = old.get(ctype)
+    ltt = prev.get("lastTransitionTime") if prev and prev.get("status") == status else None
+    return {"type": ctype, "status": status, "reason": reason, "message": message,
+            "lastTransitionTime": ltt or _fmt(now), "observedGeneration": generation}
+
+
+def compute(resource: dict, observed: Observed, options: R.Options | None = None,
+            now: dt.datetime | None = None, stall_after: float = 60.0) -> dict:
+    options = options or R.Options()
+    now = now or dt.datetime.now(dt.timezone.utc)
+    meta = resource.get("metadata") or {}
+    name, ns = meta.get("name", ""), meta.get("namespace") or "default"
+    generation = meta.get("generation")
+    old_status = resource.get("status") or {}
+    old = {c.get("type"): c for c in old_status.get("conditions") or []}
+    status: dict[str, Any] = {"observedGeneration": generation}
+    conditions: list[dict] = []
+
+    def cond(ctype: str, st: str, reason: str, message: str) -> None:
+        conditions.append(_condition(old, ctype, st, reason, message, generation, now))
+
+    try:
+        spec = S.parse(resource).spec
+    except Exception as exc:  # noqa: BLE001 - any parse error is an invalid spec
+        spec = None
+        observed.invalid = observed.invalid or f"spec rejected by the operator: {exc}"
+
+    if spec is not None:
+        status["task"] = R.detect_task(spec.model)
+        status["accelerator"] = R.accelerator_summary(spec)
+        status["selector"] = R.selector_string(name)
+        eps = R.endpoints(name, ns, spec, options)
+        status["url"] = eps.get("external") or eps["service"]
+        status["endpoints"] = eps
+
+    dep = observed.deployment
+    dstat = (dep or {}).get("status") or {}
+    replicas = dstat.get("replicas", 0)
+    ready = dstat.get("readyReplicas", 0)
+    updated = dstat.get("updatedReplicas", 0)
+    available = dstat.get("availableReplicas", 0)
+    if spec is not None and spec.autoscaling:
+        desired = ((dep or {}).get("spec") or {}).get("replicas", spec.autoscaling.min_replicas)
+    elif spec is not None:
+        desired = spec.replicas
+    else:
+        desired = 0
+    status.update({"replicas": replicas, "readyReplicas": ready, "updatedReplicas": updated,
+                   "availableReplicas": available, "replicasSummary": f"{ready}/{desired}"})
+
+    # Stalled: terminal problems that retrying will not fix on its own.
+    stalled: tuple[str, str] | None = None
+    if observed.invalid:
+        stalled = ("InvalidSpec", observed.invalid)
+    elif dep is not None:
+        for dc in dstat.get("conditions") or []:
+            if dc.get("type") == "Progressing" and dc.get("reason") == "ProgressDeadlineExceeded":
+                stalled = ("ProgressDeadlineExceeded", dc.get("message", "rollout exceeded its deadline"))
+        problem = _pod_problem(observed.pods, now, stall_after)
+        if problem:
+            if stalled and problem[0] == "InsufficientAccelerator":
+                stalled = ("RolloutBlockedInsufficientAccelerator", problem[1])
+            else:
+                stalled = problem
+
+    rolled_out = (
+        dep is not None
+        and dstat.get("observedGeneration", -1) >= (dep.get("metadata") or {}).get("generation", 0)
+        and updated >= desired and ready >= desired and available >= desired
+        and replicas == desired  # old pods gone
+    )
+    if stalled:
+        cond("Ready", "False", stalled[0], stalled[1])
+        cond("Reconciling", "False", stalled[0], "")
+        cond("Stalled", "True", stalled[0], stalled[1])
+    elif observed.apply_error:
+        cond("Ready", "False", "ApplyFailed", observed.apply_error)
+        cond("Reconciling", "True", "ApplyFailed", observed.apply_error)
+        cond("Stalled", "False", "ApplyFailed", "")
+    elif rolled_out:
+        reason = "ScaledToZero" if desired == 0 else "Available"
+        cond("Ready", "True", reason, f"{ready}/{desired} replicas ready")
+        cond("Reconciling", "False", reason, "")
+        cond("Stalled", "False", reason, "")
+    else:
+        if dep is None:
+            reason, msg = "Creating", "creating the Deployment"
+        elif updated < desired:
+            reason, msg = "RollingOut", f"{updated}/{desired} replicas updated"
+        else:
+            reason, msg = "WaitingForReplicas", f"{ready}/{desired} replicas ready"
+        cond("Ready", "False", reason, msg)
+        cond("Reconciling", "True", reason, msg)
+        cond("Stalled", "False", reason, "")
+
+    if spec is not None:
+        features = {"monitoring": spec.monitoring.service_monitor.enabled, "routes": spec.gateway is not None,
+                    "autoscaling": spec.autoscaling is not None}
+        for feature, requested in features.items():
+            if not requested:
+                continue
+            ctype = FEATURE_CONDITIONS[feature]
+            if feature in observed.missing:
+                kind = observed.missing[feature]
+                cond(ctype, "False", "CRDNotInstalled",
+                     f"the {kind} CRD is not installed; {feature} is skipped until it is")
+            elif feature == "autoscaling":
+                kind = R.autoscaler_kind(spec, options)
+                cond(ctype, "True", "KEDA" if kind == "keda" else "HPA",
+                     "ScaledObject on te_queue_size" if kind == "keda" else "HorizontalPodAutoscaler")
+            else:
+                cond(ctype, "True", "Applied", "")
+
+    status["conditions"] = conditions
+    return status
+
+
+def normalized(status: dict | None) -> dict:
+    """Status with empty values dropped, for change detection."""
+    def clean(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items() if x is not None}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+    return clean(status or {})
