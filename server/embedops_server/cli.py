@@ -1,0 +1,116 @@
+"""`embedops-server`: TEI's flag names and defaults (port 8080 here), each also read from UPPER_SNAKE env."""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+
+from .settings import Settings
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _bool(v: str) -> bool:
+    if v.lower() in _TRUE:
+        return True
+    if v.lower() in {"0", "false", "no", "off"}:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
+
+
+def _opt_int(v: str) -> int | None:
+    return None if v.lower() in ("", "none") else int(v)
+
+
+# (flag, type, default, help). Env var = flag without dashes, upper-snake.
+FLAGS = [
+    ("--model-id", str, None, "local model folder (Hugging Face layout)"),
+    ("--revision", str, "main", "model revision (informational: no hub is reachable)"),
+    ("--pooling", str, None, "cls | mean | splade | last-token (default: from 1_Pooling/config.json)"),
+    ("--dtype", str, None, "float32 | float16 | bfloat16 (default: float16 on CUDA, float32 on CPU)"),
+    ("--backend", str, "auto", "auto | torch | onnxruntime (auto: torch on CUDA, ONNX Runtime on CPU)"),
+    ("--device", str, None, "cpu | cuda | cuda:N (default: cuda when available)"),
+    ("--quantize", str, None, "int8: ONNX Runtime dynamic per-channel int8, refused below --int8-min-cosine"),
+    ("--int8-min-cosine", float, 0.98, "minimum cosine vs float32 on the check sentences for int8"),
+    ("--max-batch-tokens", int, 16384, "token budget per forward batch (padded: longest x count)"),
+    ("--max-batch-requests", _opt_int, None, "maximum inputs per forward batch"),
+    ("--max-concurrent-requests", int, 512, "admitted inputs in flight before answering 429"),
+    ("--max-client-batch-size", int, 32, "maximum inputs per request"),
+    ("--auto-truncate", _bool, True, "truncate over-long inputs when the request does not say"),
+    ("--tokenization-workers", _opt_int, None, "tokenizer threads (default: CPUs - 1, at least 1)"),
+    ("--num-threads", _opt_int, None, "intra-op threads for inference (default: CPUs allowed by cgroup)"),
+    ("--default-prompt", str, None, "prefix added to every input"),
+    ("--default-prompt-name", str, None, "key of `prompts` in config_sentence_transformers.json"),
+    ("--served-model-name", str, None, "model name reported by the OpenAI routes"),
+    ("--api-key", str, None, "require `Authorization: Bearer <key>` on inference routes"),
+    ("--payload-limit", int, 2_000_000, "maximum request body in bytes"),
+    ("--hostname", str, "0.0.0.0", "address to bind"),
+    ("--port", int, 8080, "port for the API, /health and /metrics"),
+    ("--graceful-shutdown-timeout", float, 30.0, "seconds to finish in-flight requests after SIGTERM"),
+    ("--onnx-cache", str, None, "where ONNX exports and int8 models are written (default ~/.cache/embedops)"),
+    ("--log-level", str, "info", "debug | info | warning | error"),
+]
+
+
+def env_name(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_").upper()
+
+
+def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Settings:
+    env = os.environ if environ is None else environ
+    p = argparse.ArgumentParser(prog="embedops-server", description=__doc__)
+    for flag, typ, default, help_ in FLAGS:
+        name = env_name(flag)
+        raw = env.get(name)
+        if flag == "--hostname" and raw is not None:
+            try:  # Docker/Kubernetes set HOSTNAME to the pod name: only an IP address counts.
+                ipaddress.ip_address(raw)
+            except ValueError:
+                raw = None
+        value = default
+        if raw is not None and raw != "":
+            try:
+                value = typ(raw)
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                p.error(f"environment variable {name}: {e}")
+        if typ is _bool:
+            p.add_argument(flag, type=_bool, nargs="?", const=True, default=value, help=f"{help_} [env {name}]")
+        else:
+            p.add_argument(flag, type=typ, default=value, help=f"{help_} [env {name}]")
+    p.add_argument("--json-output", action="store_true",
+                   default=env.get("JSON_OUTPUT", "").lower() in _TRUE, help="JSON logs [env JSON_OUTPUT]")
+    a = p.parse_args(argv)
+    if not a.model_id:
+        p.error("--model-id (or MODEL_ID) is required")
+    kw = {k: v for k, v in vars(a).items() if k in Settings.__dataclass_fields__}
+    return Settings(**kw)
+
+
+def setup_logging(s: Settings) -> None:
+    level = getattr(logging, s.log_level.upper(), logging.INFO)
+    handler = logging.StreamHandler(sys.stderr)
+    if s.json_output:
+        from .logs import JsonFormatter
+
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def main(argv: list[str] | None = None) -> None:
+    s = parse_args(argv)
+    setup_logging(s)
+    # Settings' repr hides api_key; log it as a boolean only.
+    logging.getLogger("embedops_server").info("starting with %r (api key set: %s)", s, bool(s.api_key))
+    from .router.server import serve
+
+    serve(s)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""FastAPI application: routes, errors, metrics, readiness, and model loading in the background."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from .. import __version__
+from ..core.engine import EngineStats
+from ..service import build_service
+from ..settings import Settings
+from . import errors, routes_compat, routes_tei
+from .errors import error_response
+from .middleware import GuardMiddleware
+from .routes_tei import _json
+from .state import AppState
+
+log = logging.getLogger(__name__)
+
+
+def _stats(st: AppState) -> EngineStats:
+    m = st.metrics
+    return EngineStats(
+        on_batch=lambda size, tokens: (m.batch_size.observe(size), m.batch_tokens.observe(tokens)),
+        on_dropped=lambda n: m.c.inc("te_request_failure", n, err="dropped"),
+        on_input_length=m.input_length.observe,
+    )
+
+
+def create_app(settings: Settings, service=None) -> FastAPI:
+    st = AppState(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = None
+        if service is not None:
+            st.service = service
+        else:
+            # Load in the background so /health can answer 503 (not connection refused) while loading.
+            async def load():
+                try:
+                    st.service = await asyncio.to_thread(build_service, settings, _stats(st))
+                    log.info("model %s ready (%s, %s, %s) in %.1fs", settings.model_id, st.service.info.task,
+                             st.service.backend.name, st.service.backend.dtype, st.service.load_seconds)
+                except Exception as e:  # keep serving 503 with the reason; the operator sees it in logs
+                    log.exception("model loading failed")
+                    st.load_error = f"model loading failed: {e}"
+            task = asyncio.create_task(load())
+        yield
+        st.draining = True
+        if task is not None and not task.done():
+            task.cancel()
+        if st.service is not None:
+            st.service.engine.close()
+
+    app = FastAPI(title="embedops-server", version=__version__, lifespan=lifespan,
+                  description="TEI-compatible embeddings, rerank, sparse and classification server")
+    app.state.embedops = st
+    errors.install(app)
+    app.include_router(routes_tei.router)
+    app.include_router(routes_compat.router)
+
+    @app.get("/health", tags=["Ops"], summary="200 once the model is loaded and warmed up, else 503")
+    async def health(request: Request):
+        if st.service is None or st.draining:
+            msg = st.load_error or ("shutting down" if st.draining else "unhealthy")
+            return error_response(request.url.path, 503, "Unhealthy", msg)
+        return Response(status_code=200)
+
+    app.add_api_route("/ping", health, methods=["GET"], include_in_schema=False)
+
+    @app.get("/metrics", tags=["Ops"], summary="Prometheus metrics (TEI te_* names)")
+    async def metrics():
+        if st.service is not None:
+            st.metrics.queue_size.set(len(st.service.engine.queue))
+            st.metrics.in_flight.set(st.service.engine.in_flight)
+        return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/info", tags=["Ops"], summary="Model and server configuration")
+    async def info():
+        svc = st.svc()
+        i = svc.info
+        if i.task in ("classifier", "reranker"):
+            labels = {str(k): v for k, v in i.id2label.items()}
+            mt = {i.task: {"id2label": labels, "label2id": {v: int(k) for k, v in labels.items()}}}
+        else:
+            mt = {"embedding": {"pooling": i.pooling}}
+        s = settings
+        return _json({
+            "model_id": s.model_id, "model_sha": None, "model_dtype": svc.backend.dtype,
+            "model_type": mt, "task": i.task, "architecture": i.architecture,
+            "served_model_name": s.served_model_name or s.model_id, "backend": svc.backend.name,
+            "device": svc.backend.device, "hidden_size": svc.backend.hidden_size,
+            "int8_cosine": getattr(svc.backend, "int8_cosine", None),
+            "max_concurrent_requests": s.max_concurrent_requests, "max_input_length": svc.max_input_length,
+            "max_batch_tokens": s.max_batch_tokens, "max_batch_requests": s.max_batch_requests,
+            "max_client_batch_size": s.max_client_batch_size, "auto_truncate": s.auto_truncate,
+            "tokenization_workers": len(svc.tokenizers._threads), "version": __version__, "sha": None,
+            "docker_label": None, "prompts": sorted(i.prompts),
+        })
+
+    guard = GuardMiddleware(app, settings.payload_limit, settings.api_key)
+    guard.fastapi = app
+    return guard

@@ -1,0 +1,87 @@
+"""Prometheus metrics with TEI's `te_*` names (so TEI dashboards work), plus HELP lines TEI lacks.
+
+Counters are exported under their exact TEI names (no `_total` suffix, which prometheus-client would add).
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+from prometheus_client import CollectorRegistry, disable_created_metrics, Gauge, Histogram, generate_latest
+
+disable_created_metrics()  # TEI exports no *_created series
+
+# TEI's duration buckets: 35 geometric buckets from 15 us, x1.5 each.
+DURATION_BUCKETS = [1.5e-5 * 1.5 ** i for i in range(35)]
+
+
+class _Counters:
+    """Labelled counters with exact names; one lock, a dict increment per observation."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._values: dict[tuple, float] = defaultdict(float)
+        self._help: dict[str, tuple[str, tuple[str, ...]]] = {}
+
+    def declare(self, name: str, help_: str, labels: tuple[str, ...] = ()) -> None:
+        self._help[name] = (help_, labels)
+
+    def inc(self, name: str, amount: float = 1.0, **labels) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        with self._lock:
+            self._values[key] += amount
+
+    def render(self) -> str:
+        """Text exposition written here: prometheus-client would rename counters to `<name>_total`."""
+        with self._lock:
+            items = sorted(self._values.items())
+        by_name: dict[str, list] = defaultdict(list)
+        for (name, labels), v in items:
+            by_name[name].append((labels, v))
+        lines = []
+        for name, (help_, _) in self._help.items():
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} counter")
+            for labels, v in by_name.get(name) or [((), 0.0)]:
+                lab = ",".join(f'{k}="{val}"' for k, val in labels)
+                lines.append(f"{name}{{{lab}}} {v}" if lab else f"{name} {v}")
+        return "\n".join(lines) + "\n"
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.c = _Counters()
+        for name, help_ in [
+            ("te_request_count", "Requests received, by method (single or batch)"),
+            ("te_request_success", "Requests answered successfully, by method"),
+            ("te_request_failure", "Failed requests, by cause (err)"),
+            ("te_embed_count", "Inputs received by the embed routes"),
+            ("te_embed_success", "Inputs embedded successfully"),
+            ("te_predict_count", "Inputs received by the predict and rerank routes"),
+            ("te_predict_success", "Predict and rerank inputs scored successfully"),
+        ]:
+            self.c.declare(name, help_)
+        r = self.registry
+
+        def hist(name, help_, buckets=DURATION_BUCKETS):
+            return Histogram(name, help_, registry=r, buckets=buckets)
+
+        self.request_duration = hist("te_request_duration", "End-to-end request duration in seconds")
+        self.request_tok = hist("te_request_tokenization_duration", "Tokenization time per request (s)")
+        self.request_queue = hist("te_request_queue_duration", "Queue time per request, per-input average (s)")
+        self.request_inf = hist("te_request_inference_duration", "Inference time per request, per-input average (s)")
+        self.embed_duration = hist("te_embed_duration", "End-to-end embed duration per request (s)")
+        self.predict_duration = hist("te_predict_duration", "End-to-end predict/rerank duration per request (s)")
+        self.input_length = Histogram("te_request_input_length", "Tokens per input", registry=r,
+                                      buckets=[2 ** i for i in range(0, 16)])
+        self.batch_size = Histogram("te_batch_next_size", "Inputs per formed batch", registry=r,
+                                    buckets=[2 ** i for i in range(0, 13)])
+        self.batch_tokens = Histogram("te_batch_next_tokens", "Real (unpadded) tokens per formed batch",
+                                      registry=r, buckets=[2 ** i for i in range(0, 21)])
+        self.queue_size = Gauge("te_queue_size", "Inputs waiting in the batch queue", registry=r)
+        self.in_flight = Gauge("te_in_flight_inputs", "Admitted inputs not yet answered (embedops addition)",
+                               registry=r)
+
+    def render(self) -> bytes:
+        return self.c.render().encode() + generate_latest(self.registry)

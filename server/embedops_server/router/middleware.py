@@ -1,0 +1,73 @@
+"""Pure-ASGI middleware: payload limit (JSON 413, also for chunked bodies) and bearer-token auth."""
+from __future__ import annotations
+
+import hmac
+
+from .errors import error_body
+
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json",
+                          "/redoc"})
+
+
+async def _send_error(send, path: str, status: int, kind: str, message: str) -> None:
+    body = error_body(path, status, kind, message)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GuardMiddleware:
+    def __init__(self, app, payload_limit: int, api_key: str | None):
+        self.app = app
+        self.limit = payload_limit
+        self.key = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        length = None
+        auth = b""
+        for k, v in scope["headers"]:
+            if k == b"content-length":
+                length = v
+            elif k == b"authorization":
+                auth = v
+        if self.key is not None and path not in PUBLIC_PATHS and not (path == "/" and scope["method"] == "GET"):
+            if not hmac.compare_digest(auth, self.key):
+                return await _send_error(send, path, 401, "Unauthorized", "missing or invalid API key")
+        if length is not None:
+            try:
+                too_big = int(length) > self.limit
+            except ValueError:
+                too_big = True
+            if too_big:
+                return await _send_error(send, path, 413, "PayloadTooLarge",
+                                         f"payload too large: the limit is {self.limit} bytes")
+            return await self.app(scope, receive, send)
+        if scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        # Chunked body: buffer it up to the limit before the app sees it, then replay.
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                return await _send_error(send, path, 413, "PayloadTooLarge",
+                                         f"payload too large: the limit is {self.limit} bytes")
+            chunks.append(chunk)
+            if not msg.get("more_body"):
+                break
+        body, sent = b"".join(chunks), False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)

@@ -1,0 +1,69 @@
+"""OpenAI embeddings and Cohere/Jina-style rerank routes."""
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+
+import numpy as np
+from fastapi import APIRouter, Request
+
+from ..core.errors import EMPTY
+from ..core.model_info import EMBEDDER, RERANKER
+from . import scoring
+from .errors import ApiError
+from .routes_tei import _count, _json, _observe, _state
+from .schemas import CohereRerankRequest, OpenAIEmbeddingRequest
+
+router = APIRouter()
+
+
+async def openai_embeddings(request: Request, body: OpenAIEmbeddingRequest):
+    st = _state(request)
+    t0 = time.perf_counter()
+    svc = st.require_task(EMBEDDER)
+    texts = st.texts(svc, body.input, st.prompt(svc, None))
+    results, req = await st.run(request, svc, texts, st.settings.auto_truncate, "right")
+    v = scoring.dense(results, body.dimensions, True, svc.backend.hidden_size)
+    if body.encoding_format == "base64":
+        le = v.astype("<f4", copy=False)  # little-endian float32 bytes, what the OpenAI SDK decodes
+        data = [{"object": "embedding", "embedding": base64.b64encode(le[i].tobytes()).decode(), "index": i}
+                for i in range(len(le))]
+    else:
+        data = [{"object": "embedding", "embedding": v[i], "index": i} for i in range(len(v))]
+    _count(st, "embed", len(texts), True, t0)
+    _observe(st, req)
+    model = st.settings.served_model_name or st.settings.model_id
+    return _json({"object": "list", "data": data, "model": model,
+                  "usage": {"prompt_tokens": req.tokens, "total_tokens": req.tokens}}, st.headers(req, t0))
+
+
+router.add_api_route("/v1/embeddings", openai_embeddings, methods=["POST"], tags=["OpenAI"],
+                     summary="OpenAI-compatible embeddings (float or base64)")
+router.add_api_route("/embeddings", openai_embeddings, methods=["POST"], tags=["OpenAI"], include_in_schema=False)
+
+
+@router.post("/v1/rerank", tags=["Cohere/Jina"], summary="Cohere/Jina-style rerank (documents, top_n)")
+async def cohere_rerank(request: Request, body: CohereRerankRequest):
+    st = _state(request)
+    t0 = time.perf_counter()
+    svc = st.require_task(RERANKER)
+    docs: list[str] = body.documents  # validator flattened {"text": ...} objects
+    if not docs:
+        raise ApiError(EMPTY, "`documents` cannot be empty")
+    st.check_batch(len(docs))
+    results, req = await st.run(request, svc, [(body.query, d) for d in docs], st.truncate(body.truncate), "right")
+    s = scoring.scores(np.stack(results), False)[:, 0]
+    order = np.argsort(-s, kind="stable")[: body.top_n or len(docs)]
+    out = []
+    for i in order:
+        item = {"index": int(i), "relevance_score": float(s[i])}
+        if body.return_documents:
+            item["document"] = {"text": docs[i]}
+        out.append(item)
+    _count(st, "predict", len(docs), True, t0)
+    _observe(st, req)
+    return _json({"id": str(uuid.uuid4()), "results": out,
+                  "model": st.settings.served_model_name or st.settings.model_id,
+                  "usage": {"total_tokens": req.tokens}, "meta": {"billed_units": {"search_units": 1}}},
+                 st.headers(req, t0))

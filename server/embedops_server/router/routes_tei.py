@@ -1,0 +1,197 @@
+"""TEI-compatible routes."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from ..core.errors import BACKEND, EMPTY, VALIDATION
+from ..core.model_info import CLASSIFIER, EMBEDDER, RERANKER, SPARSE
+from .errors import ApiError
+from .schemas import (DecodeRequest, EmbedAllRequest, EmbedRequest, PredictRequest, RerankRequest,
+                      SimilarityRequest, TokenizeRequest)
+from . import scoring
+
+router = APIRouter()
+NUMPY = orjson.OPT_SERIALIZE_NUMPY
+
+
+def _json(obj, headers=None) -> Response:
+    return Response(orjson.dumps(obj, option=NUMPY), media_type="application/json", headers=headers)
+
+
+def _state(request: Request):
+    return request.app.state.embedops
+
+
+def _count(st, route: str, n: int, ok: bool, t0: float) -> None:
+    c = st.metrics.c
+    method = "batch" if n > 1 else "single"
+    c.inc("te_request_count", method=method)
+    c.inc(f"te_{route}_count", n)
+    if ok:
+        c.inc("te_request_success", method=method)
+        c.inc(f"te_{route}_success", n)
+        dt = time.perf_counter() - t0
+        st.metrics.request_duration.observe(dt)
+        (st.metrics.embed_duration if route == "embed" else st.metrics.predict_duration).observe(dt)
+
+
+async def _embed_like(request: Request, body, need_tokens: bool, tasks: tuple[str, ...], route="embed"):
+    st = _state(request)
+    t0 = time.perf_counter()
+    svc = st.require_task(*tasks)
+    texts = st.texts(svc, body.inputs, st.prompt(svc, body.prompt_name))
+    results, req = await st.run(request, svc, texts, st.truncate(body.truncate), body.truncation_direction,
+                                need_tokens)
+    _count(st, route, len(texts), True, t0)
+    _observe(st, req)
+    return results, req, t0
+
+
+def _observe(st, req) -> None:
+    m = st.metrics
+    n = max(1, req.n)
+    m.request_tok.observe(max(0.0, req.t_tokenized - req.t_start))
+    m.request_queue.observe(req.t_queue / n)
+    m.request_inf.observe(req.t_infer / n)
+
+
+@router.post("/embed", tags=["TEI"], summary="Embed inputs (pooled, optionally normalized and MRL-truncated)")
+async def embed(request: Request, body: EmbedRequest):
+    st = _state(request)
+    svc = st.require_task(EMBEDDER, SPARSE)
+    if svc.info.task == SPARSE and body.normalize:
+        raise ApiError(BACKEND, "`normalize` is not available for SPLADE models; pass normalize=false")
+    results, req, t0 = await _embed_like(request, body, False, (EMBEDDER, SPARSE))
+    vecs = scoring.dense(results, body.dimensions, body.normalize, svc.backend.hidden_size)
+    return _json(vecs, st.headers(req, t0))
+
+
+@router.post("/embed_all", tags=["TEI"], summary="Per-token hidden states (no pooling)")
+async def embed_all(request: Request, body: EmbedAllRequest):
+    st = _state(request)
+    results, req, t0 = await _embed_like(request, body, True, (EMBEDDER,))
+    return _json([np.ascontiguousarray(r, dtype=np.float32) for r in results], st.headers(req, t0))
+
+
+@router.post("/embed_sparse", tags=["TEI"], summary="SPLADE sparse vectors (non-zero entries)")
+async def embed_sparse(request: Request, body: EmbedAllRequest):
+    st = _state(request)
+    results, req, t0 = await _embed_like(request, body, False, (SPARSE,))
+    return _json(scoring.sparse(results), st.headers(req, t0))
+
+
+@router.post("/rerank", tags=["TEI"], summary="Score (query, text) pairs with a re-ranker; sorted by score")
+async def rerank(request: Request, body: RerankRequest):
+    st = _state(request)
+    t0 = time.perf_counter()
+    svc = st.require_task(RERANKER)
+    if not body.texts:
+        raise ApiError(EMPTY, "`texts` cannot be empty")
+    st.check_batch(len(body.texts))
+    pairs = [(body.query, t) for t in body.texts]
+    results, req = await st.run(request, svc, pairs, st.truncate(body.truncate), body.truncation_direction)
+    s = scoring.scores(np.stack(results), body.raw_scores)[:, 0]
+    if np.isnan(s).any():
+        raise ApiError(BACKEND, "score is NaN")
+    order = np.argsort(-s, kind="stable")
+    out = [{"index": int(i), "score": float(s[i]), **({"text": body.texts[i]} if body.return_text else {})}
+           for i in order]
+    _count(st, "predict", len(pairs), True, t0)
+    _observe(st, req)
+    return _json(out, st.headers(req, t0))
+
+
+@router.post("/predict", tags=["TEI"], summary="Classify a text or a pair (single or batch)")
+async def predict(request: Request, body: PredictRequest):
+    st = _state(request)
+    t0 = time.perf_counter()
+    svc = st.require_task(CLASSIFIER, RERANKER)
+    inp = body.inputs
+    if isinstance(inp, str):
+        items, single = [inp], True
+    elif inp and all(isinstance(x, str) for x in inp) and len(inp) <= 2:
+        items, single = [tuple(inp) if len(inp) == 2 else inp[0]], True
+    else:
+        items, single = [], False
+        for x in inp:
+            if isinstance(x, list) and not 1 <= len(x) <= 2:
+                raise ApiError(VALIDATION, "Input validation error: each input must be a text or a [text, text] pair")
+            items.append(x if isinstance(x, str) else (tuple(x) if len(x) == 2 else x[0]))
+    if not items:
+        raise ApiError(EMPTY, "`inputs` cannot be empty")
+    st.check_batch(len(items))
+    results, req = await st.run(request, svc, items, st.truncate(body.truncate), body.truncation_direction)
+    probs = scoring.scores(np.stack(results), body.raw_scores)
+    labels = svc.info.id2label
+    out = []
+    for row in probs:
+        order = np.argsort(-row, kind="stable")
+        out.append([{"score": float(row[j]), "label": labels.get(int(j), f"LABEL_{j}")} for j in order])
+    _count(st, "predict", len(items), True, t0)
+    _observe(st, req)
+    return _json(out[0] if single else out, st.headers(req, t0))
+
+
+@router.post("/similarity", tags=["TEI"], summary="Cosine similarity of a source sentence to sentences")
+async def similarity(request: Request, body: SimilarityRequest):
+    st = _state(request)
+    t0 = time.perf_counter()
+    svc = st.require_task(EMBEDDER)
+    if not body.inputs.sentences:
+        raise ApiError(EMPTY, "`sentences` cannot be empty")
+    p = body.parameters
+    prompt = st.prompt(svc, p.prompt_name if p else None)
+    texts = [body.inputs.source_sentence, *body.inputs.sentences]
+    st.check_batch(len(texts))
+    texts = [prompt + t if prompt else t for t in texts]
+    results, req = await st.run(request, svc, texts, st.truncate(p.truncate if p else None),
+                                p.truncation_direction if p else "right")
+    v = scoring.dense(results, None, True, 0)
+    _count(st, "embed", len(texts), True, t0)
+    return _json((v[1:] @ v[0]).astype(np.float32), st.headers(req, t0))
+
+
+@router.post("/tokenize", tags=["TEI"], summary="Tokenize inputs (no truncation)")
+async def tokenize(request: Request, body: TokenizeRequest):
+    st = _state(request)
+    svc = st.svc()
+    texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    if not texts:
+        raise ApiError(EMPTY, "`inputs` cannot be empty")
+    st.check_batch(len(texts))
+    prompt = st.prompt(svc, body.prompt_name)
+    texts = [prompt + t if prompt else t for t in texts]
+    limit = svc.max_input_length * 250
+    if any(len(t) > limit for t in texts):
+        raise ApiError(VALIDATION, f"Input validation error: `inputs` must have less than {limit} characters")
+    tok = svc.tokenizers.tokenizer
+    encs = await asyncio.to_thread(tok.encode_batch, texts, add_special_tokens=body.add_special_tokens)
+    out = []
+    for text, e in zip(texts, encs):
+        toks = []
+        for tid, piece, special, (a, b) in zip(e.ids, e.tokens, e.special_tokens_mask, e.offsets):
+            toks.append({"id": tid, "text": piece if special or a == b else text[a:b], "special": bool(special),
+                         "start": None if special else a, "stop": None if special else b})
+        out.append(toks)
+    return _json(out)
+
+
+@router.post("/decode", tags=["TEI"], summary="Decode token ids to text")
+async def decode(request: Request, body: DecodeRequest):
+    st = _state(request)
+    svc = st.svc()
+    batch = [body.ids] if not body.ids or isinstance(body.ids[0], int) else body.ids
+    if not batch or not any(batch):
+        raise ApiError(EMPTY, "`ids` cannot be empty")
+    st.check_batch(len(batch))
+    vocab = svc.tokenizers.tokenizer.get_vocab_size()
+    if any(i >= vocab for ids in batch for i in ids):
+        raise ApiError(VALIDATION, f"Input validation error: token id out of range (vocabulary size {vocab})")
+    texts = svc.tokenizers.tokenizer.decode_batch(batch, skip_special_tokens=body.skip_special_tokens)
+    return _json(texts)

@@ -1,0 +1,37 @@
+"""Numpy post-processing of engine outputs (runs on the event loop; vectorized, microseconds per request)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.errors import VALIDATION
+from .errors import ApiError
+
+
+def dense(results: list, dimensions: int | None, normalize: bool, hidden: int) -> np.ndarray:
+    v = np.stack(results).astype(np.float32, copy=False)
+    if dimensions is not None:
+        if dimensions <= 0 or dimensions > v.shape[1]:
+            raise ApiError(VALIDATION, f"Input validation error: `dimensions` must be between 1 and {v.shape[1]}")
+        v = v[:, :dimensions]
+    if normalize:
+        # Normalize after MRL truncation, as TEI and sentence-transformers do.
+        v = v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+    return np.ascontiguousarray(v)
+
+
+def sparse(results: list) -> list[list[dict]]:
+    out = []
+    for v in results:
+        idx = np.flatnonzero(v)
+        out.append([{"index": int(i), "value": float(x)} for i, x in zip(idx.tolist(), v[idx].tolist())])
+    return out
+
+
+def scores(logits: np.ndarray, raw: bool) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    if raw:
+        return logits
+    if logits.shape[-1] == 1:
+        return 1.0 / (1.0 + np.exp(-logits))
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)

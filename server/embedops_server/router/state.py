@@ -1,0 +1,126 @@
+"""Per-process server state and the one code path every inference route goes through."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Sequence
+
+from fastapi import Request
+
+from ..core.errors import BACKEND, EMPTY, UNHEALTHY, VALIDATION
+from ..service import Service
+from ..settings import Settings
+from .errors import ApiError
+from .metrics import Metrics
+
+
+class AppState:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.metrics = Metrics()
+        self.service: Service | None = None
+        self.load_error: str | None = None
+        self.draining = False
+
+    # ---- helpers used by routes -----------------------------------------------------------
+    def svc(self) -> Service:
+        if self.service is None:
+            raise ApiError(UNHEALTHY, self.load_error or "model is loading")
+        if self.draining:
+            raise ApiError(UNHEALTHY, "server is shutting down")
+        return self.service
+
+    def require_task(self, *tasks: str) -> Service:
+        svc = self.svc()
+        if svc.info.task not in tasks:
+            names = {"embedding": "an embedding", "sparse": "a sparse (SPLADE)", "reranker": "a re-ranker",
+                     "classifier": "a classifier"}
+            raise ApiError(BACKEND, f"Model is not {' or '.join(names[t] for t in tasks)} model "
+                                    f"(it is {names[svc.info.task]} model)")
+        return svc
+
+    def truncate(self, value: bool | None) -> bool:
+        return self.settings.auto_truncate if value is None else value
+
+    def prompt(self, svc: Service, prompt_name: str | None) -> str | None:
+        if prompt_name is not None:
+            if prompt_name not in svc.info.prompts:
+                raise ApiError(VALIDATION, f"Input validation error: unknown prompt_name {prompt_name!r}; "
+                                           f"available: {sorted(svc.info.prompts)}")
+            return svc.info.prompts[prompt_name]
+        if self.settings.default_prompt_name:
+            return svc.info.prompts[self.settings.default_prompt_name]
+        return self.settings.default_prompt
+
+    def texts(self, svc: Service, inputs, prompt: str | None) -> list[str]:
+        """Normalize TEI `Input` (string, ids, or a batch of either) to a list of strings."""
+        if isinstance(inputs, str):
+            items = [inputs]
+        elif inputs and all(isinstance(x, int) for x in inputs):
+            items = [inputs]
+        else:
+            items = list(inputs)
+        if not items:
+            raise ApiError(EMPTY, "`inputs` cannot be empty")
+        self.check_batch(len(items))
+        out = []
+        for x in items:
+            if not isinstance(x, str):  # token ids: decoded and re-tokenized, as TEI does
+                x = self.decode(svc, x)
+            out.append(prompt + x if prompt else x)
+        return out
+
+    def decode(self, svc: Service, ids: list[int]) -> str:
+        vocab = svc.tokenizers.tokenizer.get_vocab_size()
+        if any(i >= vocab for i in ids):
+            raise ApiError(VALIDATION, f"Input validation error: token id out of range (vocabulary size {vocab})")
+        return svc.tokenizers.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def check_batch(self, n: int) -> None:
+        limit = self.settings.max_client_batch_size
+        if n > limit:
+            raise ApiError(VALIDATION, f"batch size {n} > maximum allowed batch size {limit}")
+
+    async def run(self, request: Request, svc: Service, texts: Sequence, truncate: bool, direction: str,
+                  need_tokens: bool = False):
+        """Admit, queue and await inputs; drop them if the client goes away. Returns (results, engine request)."""
+        engine = svc.engine
+        n = len(texts)
+        engine.admit(n)  # raises Overloaded (429 + Retry-After) at once
+        try:
+            req = engine.submit(texts, truncate, direction.lower(), need_tokens)
+            fut = req.future
+            watcher = asyncio.ensure_future(_disconnected(request))
+            try:
+                await asyncio.wait((fut, watcher), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                watcher.cancel()
+            if not fut.done():
+                req.cancelled = True  # the batcher drops its queued entries
+                fut.cancel()
+                self.metrics.c.inc("te_request_failure", n, err="dropped")
+                raise asyncio.CancelledError()
+            return fut.result(), req
+        finally:
+            engine.release(n)
+
+    def headers(self, req, t_start: float) -> dict[str, str]:
+        n = max(1, req.n)
+        total = (time.perf_counter() - t_start) * 1000
+        tok = max(0.0, (req.t_tokenized - req.t_start) * 1000)
+        return {
+            "x-compute-type": self.service.backend.device if self.service else "cpu",
+            "x-compute-time": f"{total:.3f}",
+            "x-total-time": f"{total:.3f}",
+            "x-tokenization-time": f"{tok:.3f}",
+            "x-queue-time": f"{req.t_queue * 1000 / n:.3f}",
+            "x-inference-time": f"{req.t_infer * 1000 / n:.3f}",
+            "x-compute-tokens": str(req.tokens),
+        }
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
