@@ -60,12 +60,24 @@ def cmd_render(args: argparse.Namespace) -> int:
         skip = {k.lower() for k in args.without}
         capabilities = frozenset(c for c in capabilities if c[1].lower() not in skip)
     options = R.Options.from_env(capabilities)
+    from .validate import validate
+
     out: list[dict] = []
+    failed = False
     for doc in yamlio.load_all(text):
         if doc.get("kind") != S.KIND:
             continue
         doc.setdefault("metadata", {}).setdefault("namespace", args.namespace)
+        errors = validate(doc)
+        if errors:
+            failed = True
+            name = doc["metadata"].get("name", "?")
+            for err in errors:
+                print(f"{S.KIND} {name}: {err}", file=sys.stderr)
+            continue
         out.extend(R.render(doc, options))
+    if failed:
+        return 1
     sys.stdout.write(yamlio.dump_all(out))
     return 0
 
