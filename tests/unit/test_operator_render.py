@@ -1,0 +1,403 @@
+"""Rendering: every accelerator kind and option, pure and deterministic."""
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from embedops_operator import render as R
+from embedops_operator.validate import defaulted, validate
+from tests.unit.operator_helpers import (CPU, EXAMPLES, GPU, MIG, REPO, arg, by_kind, container, es, example,
+                                         pod_spec)
+
+NO_OPTIONAL = R.Options(capabilities=frozenset())
+
+
+def render(spec: dict, options: R.Options | None = None, **kw) -> list[dict]:
+    return R.render(defaulted(es(spec, **kw)), options)
+
+
+# ---------------------------------------------------------------------------------------------------- hardware
+
+def test_mig_mixed_strategy():
+    out = render(MIG)
+    c, pod = container(out), pod_spec(out)
+    assert c["resources"]["limits"]["nvidia.com/mig-1g.10gb"] == "1"
+    assert "nvidia.com/gpu" not in c["resources"]["limits"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert c["image"] == R.Options().cuda_image
+    assert arg(c, "--dtype") == "float16"
+    assert "nodeSelector" not in pod  # the extended resource itself places the pod
+    assert by_kind(out)["Deployment"]["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    assert any(v["name"] == "dshm" for v in pod["volumes"])
+
+
+def test_mig_single_strategy_and_count():
+    spec = copy.deepcopy(MIG)
+    spec["accelerator"] = {"mig": {"product": "H200-141GB", "profile": "3g.71gb", "strategy": "single", "count": 2}}
+    out = render(spec)
+    c, pod = container(out), pod_spec(out)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert not any(k.startswith("nvidia.com/mig-") for k in c["resources"]["limits"])
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200-MIG-3g.71gb",
+                                   "nvidia.com/mig.config": "all-3g.71gb"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+def test_whole_gpu():
+    out = render(GPU)
+    c, pod = container(out), pod_spec(out)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L4"}
+    assert arg(c, "--dtype") == "float16"
+    assert by_kind(out)["Deployment"]["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+
+
+def test_cpu_nfd_selectors_threads_and_surge():
+    out = render(CPU)
+    c, pod = container(out), pod_spec(out)
+    assert pod["nodeSelector"] == {"feature.node.kubernetes.io/cpu-cpuid.AMXINT8": "true",
+                                   "feature.node.kubernetes.io/cpu-cpuid.AVX512VNNI": "true",
+                                   "kubernetes.io/arch": "amd64"}
+    assert c["image"] == R.Options().cpu_image
+    assert c["resources"] == {"requests": {"cpu": "6", "memory": "6Gi"}, "limits": {"cpu": "6", "memory": "6Gi"}}
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == env["ORT_NUM_THREADS"] == "6"
+    assert arg(c, "--dtype") == "float32"
+    assert "tolerations" not in pod
+    assert by_kind(out)["Deployment"]["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert not any(v["name"] == "dshm" for v in pod["volumes"])
+
+
+@pytest.mark.parametrize("isa,label", [("avx2", "AVX2"), ("avx512f", "AVX512F"), ("avx512_bf16", "AVX512BF16"),
+                                       ("avx_vnni", "AVXVNNI"), ("amx_tile", "AMXTILE"), ("amx_bf16", "AMXBF16")])
+def test_every_instruction_set_maps_to_nfd(isa, label):
+    spec = copy.deepcopy(CPU)
+    spec["accelerator"]["cpu"]["instructionSets"] = [isa]
+    assert pod_spec(render(spec))["nodeSelector"][f"feature.node.kubernetes.io/cpu-cpuid.{label}"] == "true"
+
+
+# ---------------------------------------------------------------------------------------------------- pod contract
+
+@pytest.mark.parametrize("spec", [MIG, CPU, GPU], ids=["mig", "cpu", "gpu"])
+def test_every_pod_is_hardened_probed_and_drains(spec):
+    out = render(spec)
+    c, pod = container(out), pod_spec(out)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 15}}
+    assert pod["terminationGracePeriodSeconds"] >= 15 + 30
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+    keys = [t["topologyKey"] for t in pod["topologySpreadConstraints"]]
+    assert keys == ["kubernetes.io/hostname", "topology.kubernetes.io/zone"]
+    assert pod["automountServiceAccountToken"] is False
+    assert c["command"] == ["embedops-server"]
+
+
+def test_server_flags_follow_the_tei_contract():
+    spec = copy.deepcopy(MIG)
+    spec["model"].update({"revision": "abc123", "pooling": "cls", "servedModelName": "bge-m3",
+                          "prompts": {"defaultPromptName": "query"}})
+    spec["batching"] = {"maxBatchTokens": 32768, "maxBatchRequests": 64, "maxConcurrentRequests": 256,
+                        "maxClientBatchSize": 16, "autoTruncate": False}
+    spec["apiKeySecretRef"] = {"name": "key", "key": "token"}
+    c = container(render(spec))
+    assert arg(c, "--model-id") == "BAAI/bge-m3"
+    assert arg(c, "--revision") == "abc123"
+    assert arg(c, "--port") == "8080"
+    assert arg(c, "--max-batch-tokens") == "32768"
+    assert arg(c, "--max-batch-requests") == "64"
+    assert arg(c, "--max-concurrent-requests") == "256"
+    assert arg(c, "--max-client-batch-size") == "16"
+    assert arg(c, "--auto-truncate") == "false"
+    assert arg(c, "--pooling") == "cls"
+    assert arg(c, "--served-model-name") == "bge-m3"
+    assert arg(c, "--default-prompt-name") == "query"
+    assert c["args"][-1] == "--json-output"
+    api_key = next(e for e in c["env"] if e["name"] == "API_KEY")
+    assert api_key["valueFrom"] == {"secretKeyRef": {"name": "key", "key": "token"}}
+
+
+def test_defaults_served_name_and_no_optional_flags():
+    c = container(render(MIG))
+    assert arg(c, "--served-model-name") == "BAAI/bge-m3"
+    assert arg(c, "--auto-truncate") == "true"
+    for flag in ("--pooling", "--revision", "--max-batch-requests", "--default-prompt"):
+        assert flag not in c["args"]
+    assert not any(e["name"] == "API_KEY" for e in c["env"])
+
+
+def test_model_from_pvc_is_read_only_and_offline():
+    spec = copy.deepcopy(CPU)
+    spec["model"] = {"id": "/models/all-MiniLM-L6-v2", "source": {"pvc": {"claimName": "models", "subPath": "st"}}}
+    out = render(spec)
+    c, pod = container(out), pod_spec(out)
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
+    assert {"name": "models", "mountPath": "/models", "readOnly": True, "subPath": "st"} in c["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["HF_HUB_OFFLINE"] == "1" and env["HF_HOME"] == "/models"
+    assert "initContainers" not in pod
+
+
+def test_model_download_init_container():
+    spec = copy.deepcopy(MIG)
+    spec["model"] = {"id": "BAAI/bge-m3", "revision": "r1",
+                     "source": {"download": {"cacheSize": "30Gi", "hfTokenSecretRef": {"name": "hf"}}}}
+    out = render(spec)
+    pod = pod_spec(out)
+    init = pod["initContainers"][0]
+    assert init["command"] == ["hf", "download", "BAAI/bge-m3", "--revision", "r1"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in init["env"]
+    assert init["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"name": "model-cache", "emptyDir": {"sizeLimit": "30Gi"}} in pod["volumes"]
+
+
+def test_pod_overrides():
+    spec = copy.deepcopy(CPU)
+    spec.update({
+        "image": "registry.local/embedops-server:dev", "imagePullPolicy": "Always",
+        "resources": {"limits": {"memory": "12Gi"}},
+        "env": [{"name": "OMP_NUM_THREADS", "value": "3"}, {"name": "LOG_LEVEL", "value": "debug"}],
+        "nodeSelector": {"pool": "ingest"},
+        "tolerations": [{"key": "batch", "operator": "Exists"}],
+        "affinity": {"nodeAffinity": {}}, "priorityClassName": "batch-low",
+        "podAnnotations": {"a": "b"}, "serviceAccountName": "emb", "imagePullSecrets": [{"name": "pull"}],
+        "drainSeconds": 40,
+    })
+    out = render(spec)
+    c, pod = container(out), pod_spec(out)
+    assert c["image"] == "registry.local/embedops-server:dev" and c["imagePullPolicy"] == "Always"
+    assert c["resources"]["limits"] == {"cpu": "6", "memory": "12Gi"}
+    env = [(e["name"], e.get("value")) for e in c["env"]]
+    assert ("OMP_NUM_THREADS", "3") in env and ("OMP_NUM_THREADS", "6") not in env and ("LOG_LEVEL", "debug") in env
+    assert pod["nodeSelector"]["pool"] == "ingest"
+    assert pod["tolerations"] == [{"key": "batch", "operator": "Exists"}]
+    assert pod["affinity"] == {"nodeAffinity": {}} and pod["priorityClassName"] == "batch-low"
+    assert pod["serviceAccountName"] == "emb" and pod["imagePullSecrets"] == [{"name": "pull"}]
+    assert by_kind(out)["Deployment"]["spec"]["template"]["metadata"]["annotations"] == {"a": "b"}
+    assert c["lifecycle"]["preStop"]["sleep"]["seconds"] == 40 and pod["terminationGracePeriodSeconds"] == 70
+
+
+# ---------------------------------------------------------------------------------------------------- children
+
+def test_children_labels_owner_and_service():
+    out = render(MIG, uid="u-1")
+    kinds = [m["kind"] for m in out]
+    assert kinds == ["Deployment", "Service", "ServiceMonitor"]
+    for m in out:
+        assert m["metadata"]["namespace"] == "ml"
+        assert m["metadata"]["ownerReferences"] == [{
+            "apiVersion": "embedops.dev/v1alpha1", "kind": "EmbeddingService", "name": "svc", "uid": "u-1",
+            "controller": True, "blockOwnerDeletion": True}]
+        assert m["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "embedops"
+        assert len(m["metadata"]["annotations"][R.ANNOTATION_HASH]) == 16
+    svc = by_kind(out)["Service"]
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP",
+                                     "appProtocol": "http"}]
+    assert svc["spec"]["selector"] == by_kind(out)["Deployment"]["spec"]["selector"]["matchLabels"]
+    assert by_kind(out)["Deployment"]["spec"]["replicas"] == 1
+    assert "ownerReferences" not in render(MIG)[0]["metadata"]  # offline render: no uid
+
+
+def test_service_monitor_options():
+    spec = copy.deepcopy(MIG)
+    spec["monitoring"] = {"serviceMonitor": {"interval": "15s", "labels": {"release": "kps"}}}
+    sm = by_kind(render(spec))["ServiceMonitor"]
+    assert sm["metadata"]["labels"]["release"] == "kps"
+    assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": ["ml"]}
+    spec["monitoring"]["serviceMonitor"]["enabled"] = False
+    assert "ServiceMonitor" not in by_kind(render(spec))
+    assert "ServiceMonitor" not in by_kind(render(MIG, NO_OPTIONAL))
+
+
+def test_missing_capabilities():
+    spec = copy.deepcopy(MIG)
+    spec["gateway"] = {"parentRefs": [{"name": "gw"}]}
+    spec["autoscaling"] = {"maxReplicas": 3, "provider": "keda"}
+    res = defaulted(es(spec))
+    assert R.missing_capabilities(res, NO_OPTIONAL) == {"monitoring": "ServiceMonitor", "routes": "HTTPRoute",
+                                                        "autoscaling": "ScaledObject"}
+    assert R.missing_capabilities(res, R.Options()) == {}
+
+
+@pytest.mark.parametrize("task,paths", [
+    ("embed", ["/v1/embeddings", "/embed", "/embed_all"]), ("rerank", ["/rerank"]),
+    ("sparse", ["/embed_sparse", "/embed"]), ("classify", ["/predict"])])
+def test_http_route_paths_by_task(task, paths):
+    spec = copy.deepcopy(MIG)
+    spec["model"]["task"] = task
+    spec["gateway"] = {"parentRefs": [{"name": "gw", "namespace": "gateway-system", "sectionName": "https"}],
+                       "hostnames": ["ai.example.com"]}
+    route = by_kind(render(spec))["HTTPRoute"]
+    assert route["spec"]["parentRefs"] == [{"name": "gw", "namespace": "gateway-system", "sectionName": "https"}]
+    assert route["spec"]["hostnames"] == ["ai.example.com"]
+    assert [r["matches"][0]["path"]["value"] for r in route["spec"]["rules"]] == paths
+    assert all(r["backendRefs"] == [{"name": "svc", "port": 80}] for r in route["spec"]["rules"])
+
+
+def test_http_route_prefix_is_rewritten():
+    spec = copy.deepcopy(MIG)
+    spec["gateway"] = {"parentRefs": [{"name": "gw"}], "pathPrefix": "/bge"}
+    rules = by_kind(render(spec))["HTTPRoute"]["spec"]["rules"]
+    assert rules[0]["matches"][0]["path"] == {"type": "PathPrefix", "value": "/bge/v1/embeddings"}
+    assert rules[0]["filters"][0]["urlRewrite"]["path"] == {"type": "ReplacePrefixMatch",
+                                                            "replacePrefixMatch": "/v1/embeddings"}
+    assert rules[1]["filters"][0]["urlRewrite"]["path"] == {"type": "ReplaceFullPath", "replaceFullPath": "/embed"}
+    assert "HTTPRoute" not in by_kind(render(spec, NO_OPTIONAL))
+
+
+def test_autoscaling_keda_leaves_replicas_to_the_autoscaler():
+    spec = copy.deepcopy(MIG)
+    spec["autoscaling"] = {"minReplicas": 0, "maxReplicas": 5, "targetQueueDepth": 24}
+    out = by_kind(render(spec, name="bge"))
+    assert "replicas" not in out["Deployment"]["spec"]
+    so = out["ScaledObject"]
+    assert so["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "bge"}
+    assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]) == (0, 5)
+    trig = so["spec"]["triggers"][0]
+    assert trig["type"] == "prometheus" and trig["metadata"]["threshold"] == "24"
+    assert trig["metadata"]["query"] == 'sum(te_queue_size{namespace="ml",service="bge"})'
+    assert "HorizontalPodAutoscaler" not in out and "PodDisruptionBudget" not in out
+
+
+def test_autoscaling_falls_back_to_hpa_without_keda():
+    spec = copy.deepcopy(MIG)
+    spec["autoscaling"] = {"minReplicas": 2, "maxReplicas": 5}
+    out = by_kind(render(spec, NO_OPTIONAL))
+    assert "replicas" not in out["Deployment"]["spec"] and "ScaledObject" not in out
+    hpa = out["HorizontalPodAutoscaler"]
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 5)
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "te_queue_size"
+    assert out["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1  # min 2 → PDB
+    spec["autoscaling"]["provider"] = "hpa"
+    assert "HorizontalPodAutoscaler" in by_kind(render(spec))  # forced even with KEDA present
+
+
+@pytest.mark.parametrize("replicas,expected", [(0, False), (1, False), (2, True), (5, True)])
+def test_pdb_only_with_more_than_one_replica(replicas, expected):
+    spec = copy.deepcopy(CPU)
+    spec["replicas"] = replicas
+    out = by_kind(render(spec))
+    assert ("PodDisruptionBudget" in out) is expected
+    assert out["Deployment"]["spec"]["replicas"] == replicas
+
+
+def test_litellm_entries():
+    spec = copy.deepcopy(MIG)
+    spec["litellm"] = {"configMapName": "litellm"}
+    spec["apiKeySecretRef"] = {"name": "k"}
+    cm = by_kind(render(spec, name="bge-m3", namespace="search"))["ConfigMap"]
+    assert cm["metadata"] == {"name": "litellm", "namespace": "search"}  # shared: no owner, no hash
+    cfg = yaml.safe_load(cm["data"]["embedops-bge-m3.yaml"])
+    assert cfg["model_list"] == [{"model_name": "BAAI/bge-m3", "litellm_params": {
+        "model": "openai/BAAI/bge-m3", "api_base": "http://bge-m3.search.svc.cluster.local/v1",
+        "api_key": "os.environ/EMBEDOPS_BGE_M3_API_KEY"}, "model_info": {"mode": "embedding"}}]
+    spec["model"]["task"] = "rerank"
+    spec["litellm"]["modelName"] = "reranker"
+    spec["service"] = {"port": 8080}
+    spec.pop("apiKeySecretRef")
+    cm = by_kind(render(spec, name="rr", namespace="search"))["ConfigMap"]
+    cfg = yaml.safe_load(cm["data"]["embedops-rr.yaml"])["model_list"][0]
+    assert cfg == {"model_name": "reranker", "litellm_params": {
+        "model": "huggingface/BAAI/bge-m3", "api_base": "http://rr.search.svc.cluster.local:8080",
+        "api_key": "none"}, "model_info": {"mode": "rerank"}}
+
+
+@pytest.mark.parametrize("model_id,task", [("BAAI/bge-m3", "embed"), ("BAAI/bge-reranker-v2-m3", "rerank"),
+                                           ("cross-encoder/ms-marco-MiniLM-L-6-v2", "rerank"),
+                                           ("naver/splade-cocondenser", "sparse")])
+def test_task_detection(model_id, task):
+    from embedops_operator import spec as S
+    assert R.detect_task(S.ModelSpec(id=model_id)) == task
+
+
+def test_endpoints():
+    spec = copy.deepcopy(MIG)
+    spec["gateway"] = {"parentRefs": [{"name": "gw"}], "hostnames": ["ai.example.com"], "pathPrefix": "/m"}
+    from embedops_operator import spec as S
+    parsed = S.parse(defaulted(es(spec))).spec
+    assert R.endpoints("svc", "ml", parsed, R.Options()) == {
+        "service": "http://svc.ml.svc.cluster.local", "openai": "http://svc.ml.svc.cluster.local/v1",
+        "external": "https://ai.example.com/m"}
+
+
+def test_render_is_pure_and_deterministic():
+    res = defaulted(es(MIG, uid="u"))
+    before = copy.deepcopy(res)
+    assert R.render(res) == R.render(res)
+    assert res == before  # input untouched
+    # defaults applied by the API server or by pydantic render identically
+    assert R.render(es(MIG, uid="u")) == R.render(res)
+
+
+# ---------------------------------------------------------------------------------------------------- examples / CLI
+
+EXAMPLE_FILES = ["mig-embedder.yaml", "mig-reranker.yaml", "cpu-ingestion.yaml"]
+
+
+@pytest.mark.parametrize("name", EXAMPLE_FILES)
+def test_examples_validate_and_render(name):
+    doc = example(name)
+    assert validate(doc) == []
+    out = R.render(defaulted(doc))
+    assert out[0]["kind"] == "Deployment"
+
+
+def test_example_kinds():
+    emb = by_kind(R.render(example("mig-embedder.yaml")))
+    assert "ScaledObject" in emb and "HTTPRoute" in emb and "ConfigMap" in emb
+    rr = by_kind(R.render(example("mig-reranker.yaml")))
+    assert rr["Deployment"]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][
+        "nvidia.com/mig-1g.18gb"] == "1"
+    assert "PodDisruptionBudget" in rr
+    cpu = by_kind(R.render(example("cpu-ingestion.yaml")))
+    c = cpu["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert arg(c, "--model-id") == "/models/all-MiniLM-L6-v2"
+
+
+def test_kustomization_and_flux_examples():
+    kust = yaml.safe_load((EXAMPLES / "kustomization.yaml").read_text())
+    assert sorted(kust["resources"]) == sorted(EXAMPLE_FILES)
+    docs = list(yaml.safe_load_all((EXAMPLES / "flux" / "kustomizations.yaml").read_text()))
+    services = next(d for d in docs if d["metadata"]["name"] == "embedding-services")
+    assert services["spec"]["wait"] is True and services["spec"]["path"] == "./examples"
+    assert {h["name"] for h in services["spec"]["healthChecks"]} == {"bge-m3", "bge-reranker", "minilm-ingest"}
+    assert services["spec"]["dependsOn"] == [{"name": "embedops-operator"}]
+    src = yaml.safe_load((EXAMPLES / "flux" / "gitrepository.yaml").read_text())
+    assert src["kind"] == "GitRepository"
+
+
+def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "embedops_operator.cli", *args], input=stdin, capture_output=True,
+                          text=True, cwd=REPO, env={"PYTHONPATH": str(REPO / "operator")})
+
+
+def test_cli_render_prints_what_would_be_applied():
+    res = _cli("render", "-f", str(EXAMPLES / "cpu-ingestion.yaml"), "-n", "search")
+    assert res.returncode == 0, res.stderr
+    docs = [d for d in yaml.safe_load_all(res.stdout) if d]
+    doc = example("cpu-ingestion.yaml")
+    doc["metadata"]["namespace"] = "search"
+    assert docs == R.render(doc)
+    res = _cli("render", "-f", "-", "--without", "ServiceMonitor", stdin=(EXAMPLES / "cpu-ingestion.yaml").read_text())
+    assert [d["kind"] for d in yaml.safe_load_all(res.stdout) if d] == ["Deployment", "Service"]
+
+
+def test_cli_render_refuses_invalid_manifest():
+    bad = es(MIG)
+    bad["spec"]["accelerator"] = {"mig": {"profile": "1g.10gb"}, "cpu": {}}
+    res = _cli("render", "-f", "-", stdin=yaml.safe_dump(bad))
+    assert res.returncode == 1
+    assert "accelerator: set exactly one of mig, gpu or cpu" in res.stderr
+    assert res.stdout == ""

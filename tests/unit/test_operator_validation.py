@@ -1,0 +1,113 @@
+"""Validation messages: the CEL rules and schema checks the API server enforces (evaluated offline)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from embedops_operator import spec as S
+from embedops_operator.validate import defaulted, validate
+from tests.unit.operator_helpers import CPU, MIG, es
+
+
+def errors_of(spec: dict) -> list[str]:
+    return validate(es(spec))
+
+
+def with_(base: dict, **changes) -> dict:
+    out = copy.deepcopy(base)
+    for dotted, value in changes.items():
+        node = out
+        *parents, last = dotted.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    return out
+
+
+def test_valid_specs_have_no_errors():
+    assert errors_of(MIG) == []
+    assert errors_of(CPU) == []
+
+
+@pytest.mark.parametrize("accelerator", [{}, {"mig": {"profile": "1g.10gb"}, "cpu": {}},
+                                         {"gpu": {}, "cpu": {}}])
+def test_exactly_one_accelerator(accelerator):
+    errs = errors_of(with_(MIG, accelerator=accelerator))
+    assert any("accelerator: set exactly one of mig, gpu or cpu" in e for e in errs), errs
+
+
+@pytest.mark.parametrize("product", sorted(S.MIG_PROFILES))
+def test_every_published_profile_is_accepted(product):
+    for profile in S.MIG_PROFILES[product]:
+        assert errors_of(with_(MIG, accelerator={"mig": {"product": product, "profile": profile}})) == []
+
+
+def test_profile_of_another_gpu_is_refused_with_the_valid_list():
+    errs = errors_of(with_(MIG, accelerator={"mig": {"product": "H200-141GB", "profile": "1g.10gb"}}))
+    assert errs == ["spec.accelerator.mig.profile: Invalid value: MIG profile 1g.10gb is not offered by "
+                    "H200-141GB; valid: 1g.18gb, 1g.35gb, 2g.35gb, 3g.71gb, 4g.71gb, 7g.141gb"]
+    # default product is H100-80GB
+    errs = errors_of(with_(MIG, accelerator={"mig": {"profile": "1g.18gb"}}))
+    assert "not offered by H100-80GB" in errs[0]
+
+
+def test_unknown_profile_is_an_enum_error():
+    errs = errors_of(with_(MIG, accelerator={"mig": {"profile": "1g.99gb"}}))
+    assert any("Unsupported value: '1g.99gb'" in e for e in errs)
+
+
+def test_token_budget_must_cover_longest_input():
+    spec = with_(MIG, model__maxInputLength=8192, batching={"maxBatchTokens": 4096})
+    assert errors_of(spec) == ["spec: Invalid value: batching.maxBatchTokens (4096) must be at least "
+                               "model.maxInputLength (8192), the longest accepted input"]
+    # the default budget (16384) covers 8192
+    assert errors_of(with_(MIG, model__maxInputLength=8192)) == []
+    assert errors_of(with_(MIG, model__maxInputLength=20000))  # default budget too small
+
+
+def test_float16_refused_on_cpu():
+    errs = errors_of(with_(CPU, model__dtype="float16"))
+    assert errs == ["spec: Invalid value: model.dtype float16 is not supported on CPU; use float32 or bfloat16"]
+
+
+def test_autoscaling_bounds():
+    errs = errors_of(with_(MIG, autoscaling={"minReplicas": 5, "maxReplicas": 2}))
+    assert "autoscaling: minReplicas must not exceed maxReplicas" in errs[0]
+    errs = errors_of(with_(MIG, autoscaling={"minReplicas": 0, "maxReplicas": 2, "provider": "hpa"}))
+    assert any("scale to zero" in e for e in errs)
+    assert any("maxReplicas: Required value" in e for e in errors_of(with_(MIG, autoscaling={})))
+
+
+def test_model_rules():
+    assert any("pooling does not apply to rerank" in e
+               for e in errors_of(with_(MIG, model={"id": "x", "task": "rerank", "pooling": "cls"})))
+    assert any("splade requires task sparse" in e
+               for e in errors_of(with_(MIG, model={"id": "x", "task": "embed", "pooling": "splade"})))
+    assert any("defaultPromptName and defaultPrompt are exclusive" in e for e in errors_of(
+        with_(MIG, model={"id": "x", "prompts": {"defaultPromptName": "q", "defaultPrompt": "query: "}})))
+    assert any("at most one of pvc or download" in e for e in errors_of(
+        with_(MIG, model={"id": "x", "source": {"pvc": {"claimName": "m"}, "download": {}}})))
+    assert any("model: Required value" in e for e in errors_of({"accelerator": {"cpu": {}}}))
+
+
+def test_schema_checks():
+    assert any("should be greater than or equal to 0" in e for e in errors_of(with_(MIG, replicas=-1)))
+    assert any("Unsupported value" in e for e in errors_of(with_(CPU, accelerator={"cpu": {"instructionSets": ["sse9"]}})))
+    assert any("should have at least 1 items" in e for e in errors_of(with_(MIG, gateway={"parentRefs": []})))
+
+
+def test_defaults_applied_like_the_api_server():
+    d = defaulted(es(MIG))["spec"]
+    assert d["replicas"] == 1
+    assert d["batching"] == {"maxBatchTokens": 16384, "maxConcurrentRequests": 512, "maxClientBatchSize": 32,
+                             "autoTruncate": True}
+    assert d["accelerator"]["mig"] == {"profile": "1g.10gb", "product": "H100-80GB", "count": 1, "strategy": "mixed"}
+    assert d["monitoring"] == {"serviceMonitor": {"enabled": True, "interval": "30s"}}
+    assert d["service"] == {"type": "ClusterIP", "port": 80}
+    # pydantic applies the same defaults
+    parsed = S.parse(es(MIG)).spec
+    assert parsed.batching.max_batch_tokens == 16384 and parsed.accelerator.mig.product == "H100-80GB"
