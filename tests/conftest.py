@@ -116,7 +116,7 @@ class Kube:
         import yaml
         from kubernetes import dynamic
 
-        if isinstance(docs, (str, Path)) and Path(str(docs)).exists():
+        if isinstance(docs, Path) or (isinstance(docs, str) and "\n" not in docs and docs.endswith((".yaml", ".yml"))):
             docs = Path(docs).read_text()
         if isinstance(docs, str):
             docs = [d for d in yaml.safe_load_all(docs) if d]

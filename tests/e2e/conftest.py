@@ -1,0 +1,178 @@
+"""e2e fixtures: the EmbeddingService CRD, the operator, namespaces, waiting helpers.
+
+Cluster-agnostic: everything goes through the `kube` fixture (tests/conftest.py), i.e. the local
+upstream control plane or whatever EMBEDOPS_E2E_KUBECONFIG / KUBECONFIG points at (kind in CI).
+
+The operator runs as a local process (`embedops-operator run`, the same entry point as the chart's
+container) against that cluster, unless EMBEDOPS_E2E_OPERATOR=external says one is already running
+in the cluster (e.g. the Helm chart on kind).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+GROUP, VERSION, PLURAL = "embedops.dev", "v1alpha1", "embeddingservices"
+
+
+def wait_for(fn, timeout=90.0, interval=0.5, what="condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last seen: {last!r}")
+
+
+def condition(obj: dict, type_: str) -> dict | None:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return c
+    return None
+
+
+def is_true(obj: dict, type_: str) -> bool:
+    c = condition(obj, type_)
+    return bool(c and c.get("status") == "True")
+
+
+@pytest.fixture(scope="session")
+def api(kube):
+    with kube.api_client() as a:
+        yield a
+
+
+@pytest.fixture(scope="session")
+def embsvc_crd(kube, api):
+    """The project's EmbeddingService CRD (crds/), applied and Established."""
+    from kubernetes import client
+
+    crd_file = REPO / "crds" / "embedops.dev_embeddingservices.yaml"
+    if not crd_file.exists():
+        pytest.skip(f"{crd_file} not written yet")
+    kube.apply(crd_file)
+    ext = client.ApiextensionsV1Api(api)
+    wait_for(lambda: any(c.type == "Established" and c.status == "True" for c in
+                         ext.read_custom_resource_definition(f"{PLURAL}.{GROUP}").status.conditions or []),
+             what="EmbeddingService CRD Established")
+    return crd_file
+
+
+@pytest.fixture(scope="session")
+def third_party_crds(kube):
+    """ServiceMonitor, HTTPRoute (+Gateway, GatewayClass) and ScaledObject: the upstream CRDs."""
+    names = ["servicemonitor", "httproute", "scaledobject"]
+    kube.install_crds(names)
+    return names
+
+
+@pytest.fixture(scope="session")
+def operator(kube, embsvc_crd, third_party_crds, tmp_path_factory):
+    """`embedops-operator run` against the test cluster (stopped at the end of the session)."""
+    if os.environ.get("EMBEDOPS_E2E_OPERATOR") == "external":
+        yield None
+        return
+    try:
+        import embedops_operator.cli  # noqa: F401
+        import embedops_operator.handlers  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"operator not importable yet: {e}")
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    env = {**os.environ, "KUBECONFIG": kube.kubeconfig,
+           "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "server"), str(REPO)])}
+    argv = [sys.executable, "-m", "embedops_operator.cli", "run", "--liveness", "",
+            "--stall-after-seconds", os.environ.get("EMBEDOPS_E2E_STALL_AFTER", "10")]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+    time.sleep(1.0)
+    if proc.poll() is not None:
+        pytest.fail(f"operator exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+    proc.log_path = log  # type: ignore[attr-defined]
+    yield proc
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if os.environ.get("EMBEDOPS_E2E_SHOW_OPERATOR_LOG"):
+        sys.stderr.write(log.read_text()[-20000:])
+
+
+@pytest.fixture
+def namespace(api):
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    core = client.CoreV1Api(api)
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    core.create_namespace({"metadata": {"name": name, "labels": {"embedops.dev/e2e": "true"}}})
+
+    def sa():
+        try:
+            return core.read_namespaced_service_account("default", name)
+        except ApiException:
+            return None
+    wait_for(sa, what="default ServiceAccount")
+    yield name
+    core.delete_namespace(name)
+
+
+class EmbSvc:
+    """Helpers around EmbeddingService objects in one namespace."""
+
+    def __init__(self, api, namespace):
+        from kubernetes import client
+
+        self.ns = namespace
+        self.co = client.CustomObjectsApi(api)
+        self.core = client.CoreV1Api(api)
+        self.apps = client.AppsV1Api(api)
+
+    def get(self, name):
+        return self.co.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
+
+    def create(self, body):
+        body = {**body, "metadata": {**body["metadata"], "namespace": self.ns}}
+        return self.co.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, body)
+
+    def delete(self, name):
+        self.co.delete_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
+
+    def wait_condition(self, name, type_, timeout=90.0):
+        def ok():
+            o = self.get(name)
+            gen = o["metadata"].get("generation")
+            st = o.get("status") or {}
+            return o if is_true(o, type_) and st.get("observedGeneration") == gen else None
+        return wait_for(ok, timeout=timeout, what=f"{name} {type_}=True (observedGeneration current)")
+
+    def pods(self, name):
+        sel = f"app.kubernetes.io/name=embedops-server,app.kubernetes.io/instance={name}"
+        return self.core.list_namespaced_pod(self.ns, label_selector=sel).items
+
+    def deployment(self, name):
+        for d in self.apps.list_namespaced_deployment(self.ns).items:
+            for ref in d.metadata.owner_references or []:
+                if ref.kind == "EmbeddingService" and ref.name == name:
+                    return d
+        return None
+
+
+@pytest.fixture
+def embsvc(api, namespace, operator):
+    return EmbSvc(api, namespace)
+
+
+def operator_log(operator) -> str:
+    path = getattr(operator, "log_path", None)
+    return Path(path).read_text()[-6000:] if path else ""

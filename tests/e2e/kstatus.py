@@ -1,0 +1,22 @@
+"""kstatus for tests: the Go library Flux's health checks use (sigs.k8s.io/cli-utils
+pkg/kstatus/status.Compute), through the tiny CLI tests/cluster/build.sh builds."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+from tests.cluster.harness import cache_dir, versions
+
+
+def binary() -> str:
+    path = cache_dir() / "bin" / f"kstatus-{versions()['KSTATUS_CLI_UTILS_VERSION']}" / "kstatus"
+    if not os.access(path, os.X_OK):
+        raise FileNotFoundError(f"{path} missing; run `make cluster-binaries`")
+    return str(path)
+
+
+def kstatus(obj: dict) -> dict:
+    """{"status": Current|InProgress|Failed|Terminating|NotFound|Unknown, "message": ...}"""
+    out = subprocess.run([binary()], input=json.dumps(obj), capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[0])

@@ -1,0 +1,71 @@
+"""With every MIG slice in use, the next EmbeddingService asking for one ends Stalled (kstatus Failed)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.conftest import condition, is_true, operator_log, wait_for
+from tests.e2e.kstatus import kstatus
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+RESOURCE = "nvidia.com/mig-1g.10gb"
+
+
+def mig_service(name: str, replicas: int) -> dict:
+    return {
+        "apiVersion": "embedops.dev/v1alpha1", "kind": "EmbeddingService", "metadata": {"name": name},
+        "spec": {"model": {"id": "BAAI/bge-small-en-v1.5", "task": "embed"},
+                 "accelerator": {"mig": {"product": "H100-80GB", "profile": "1g.10gb"}},
+                 "replicas": replicas},
+    }
+
+
+def free_slices(core) -> int:
+    nodes = [n for n in core.list_node().items if int((n.status.allocatable or {}).get(RESOURCE, "0")) > 0]
+    assert nodes, f"no node advertises {RESOURCE}"
+    total = sum(int(n.status.allocatable[RESOURCE]) for n in nodes)
+    names = {n.metadata.name for n in nodes}
+    used = 0
+    for p in core.list_pod_for_all_namespaces().items:
+        if p.spec.node_name in names and p.status.phase not in ("Succeeded", "Failed"):
+            for c in p.spec.containers:
+                used += int(((c.resources and c.resources.limits) or {}).get(RESOURCE, "0"))
+    return total - used
+
+
+def test_no_free_slice_ends_stalled(embsvc, operator):
+    free = free_slices(embsvc.core)
+    assert free >= 1
+    filler = mig_service("mig-filler", free)
+    embsvc.create(filler)
+    try:
+        obj = embsvc.wait_condition("mig-filler", "Ready", timeout=120)
+    except AssertionError:
+        pytest.fail(f"filler never Ready: {embsvc.get('mig-filler').get('status')}\n{operator_log(operator)}")
+    assert kstatus(obj)["status"] == "Current"
+    assert free_slices(embsvc.core) == 0
+
+    embsvc.create(mig_service("one-too-many", 1))
+
+    def stalled():
+        o = embsvc.get("one-too-many")
+        return o if is_true(o, "Stalled") else None
+    try:
+        obj = wait_for(stalled, timeout=120, what="one-too-many Stalled")
+    except AssertionError:
+        pytest.fail(f"not Stalled: {embsvc.get('one-too-many').get('status')}\n{operator_log(operator)}")
+    st = condition(obj, "Stalled")
+    assert st["reason"], st
+    assert "mig" in (st.get("message") or "").lower() or "slice" in (st.get("message") or "").lower() \
+        or "insufficient" in (st.get("message") or "").lower(), st
+    assert condition(obj, "Ready")["status"] == "False"
+    assert kstatus(obj)["status"] == "Failed"
+    # the pod is really unschedulable, not merely slow
+    pods = embsvc.pods("one-too-many")
+    assert pods and all(p.spec.node_name is None for p in pods)
+
+    # freeing slices lets it through: the Stalled condition clears and it becomes Ready
+    embsvc.delete("mig-filler")
+    obj = embsvc.wait_condition("one-too-many", "Ready", timeout=120)
+    assert not is_true(obj, "Stalled")
+    assert kstatus(obj)["status"] == "Current"
