@@ -1,0 +1,67 @@
+"""ONNX export from torch weights (no ONNX file in the folder) and the quality-gated int8 option."""
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from embedops_server.backends.ort_backend import OrtBackend
+from embedops_server.core.model_info import load_model_info
+from tests.models import minilm_dir
+
+from .conftest import TEXTS, cosine, run_server
+
+
+@pytest.fixture(scope="module")
+def int8_server(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("onnx-cache")
+    with run_server(model_id=str(minilm_dir()), backend="onnxruntime", quantize="int8",
+                    onnx_cache=str(cache)) as (url, st):
+        yield url, cache
+
+
+def test_int8_quality_gate_and_export(int8_server, st_model):
+    url, cache = int8_server
+    info = httpx.get(url + "/info").json()
+    assert info["backend"] == "onnxruntime" and info["model_dtype"] == "int8"
+    print("int8 min cosine vs float32 (check sentences):", info["int8_cosine"])
+    assert info["int8_cosine"] >= 0.98
+    got = np.array(httpx.post(url + "/embed", json={"inputs": TEXTS}, timeout=60).json())
+    cos = cosine(got, st_model.encode(TEXTS, normalize_embeddings=True))
+    print("int8 cosines vs sentence-transformers:", cos.round(4))
+    assert cos.min() >= 0.97
+    # The float32 export written next to it matches sentence-transformers exactly.
+    exported = list(cache.rglob("model.onnx"))
+    assert exported, "export from torch weights did not happen"
+    mi = load_model_info(minilm_dir())
+    mi.onnx_path = exported[0]
+    be = OrtBackend(mi, threads=1)
+    import tokenizers
+    from embedops_server.core.engine import Batch
+
+    tok = tokenizers.Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))
+    tok.no_padding()
+    tok.enable_truncation(256)
+    encs = tok.encode_batch(TEXTS)
+    L = max(len(e.ids) for e in encs)
+    ids = np.zeros((len(encs), L), np.int64)
+    mask = np.zeros_like(ids)
+    for i, e in enumerate(encs):
+        ids[i, : len(e.ids)], mask[i, : len(e.ids)] = e.ids, 1
+    out = be.forward(Batch(ids, mask, np.zeros_like(ids), mask.sum(1))).pooled
+    assert cosine(out, st_model.encode(TEXTS)).min() >= 0.9999
+
+
+def test_int8_refused_when_gate_unmet(int8_server):
+    url, cache = int8_server  # reuses the cached export and int8 file
+    with run_server(wait=False, model_id=str(minilm_dir()), backend="onnxruntime", quantize="int8",
+                    onnx_cache=str(cache), int8_min_cosine=0.99999) as (url2, st):
+        import time
+
+        deadline = time.time() + 120
+        while st.load_error is None and time.time() < deadline:
+            time.sleep(0.2)
+        r = httpx.get(url2 + "/health")
+        assert r.status_code == 503 and "quality gate" in r.json()["error"]
+        r = httpx.post(url2 + "/embed", json={"inputs": "x"})
+        assert r.status_code == 503 and r.json()["error_type"] == "Unhealthy"
