@@ -1,0 +1,182 @@
+"""The one-command demo (`make demo` -> scripts/demo.sh up): local cluster, operator, a CPU
+EmbeddingService serving all-MiniLM-L6-v2, and the curl that embeds through it.
+
+  up    start the local control plane (tests/cluster/harness.py, run dir tests/cluster/.run/demo),
+        install the EmbeddingService CRD and the upstream ServiceMonitor/HTTPRoute/ScaledObject CRDs,
+        run `embedops-operator run` in the background, apply examples/cpu-ingestion.yaml (with the model
+        PVC it mounts), wait for Ready, then run the reconciled Deployment's server container command as
+        a local process (kwok pods run no containers) on 127.0.0.1:$EMBEDOPS_DEMO_PORT (default 8080)
+  down  stop the server, the operator and the control plane (by PID)
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.cluster.harness import REPO, Cluster, default_run_dir
+
+RUN = default_run_dir() / "demo"
+STATE = RUN / "demo.json"
+NAMESPACE = "embedops-demo"
+EXAMPLE = REPO / "examples" / "cpu-ingestion.yaml"
+
+
+def _state() -> dict:
+    try:
+        return json.loads(STATE.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _save(st: dict) -> None:
+    RUN.mkdir(parents=True, exist_ok=True)
+    STATE.write_text(json.dumps(st, indent=1))
+
+
+def _alive(pid: int, argv0: str) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode() == argv0
+    except (FileNotFoundError, PermissionError):
+        return False
+
+
+def _stop(name: str, pid: int, argv0: str, timeout: float = 30) -> None:
+    if not _alive(pid, argv0):
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while _alive(pid, argv0) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _alive(pid, argv0):
+        os.kill(pid, signal.SIGKILL)
+    print(f"stopped {name} ({pid})")
+
+
+def _spawn(argv: list[str], env: dict, log: Path) -> subprocess.Popen:
+    with open(log, "ab") as f:
+        return subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=REPO)
+
+
+def _wait(what: str, fn, timeout: float, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = fn()
+        if v:
+            return v
+        time.sleep(0.5)
+    tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
+    raise SystemExit(f"demo: timed out waiting for {what}\n{tail}")
+
+
+def up() -> int:
+    import yaml
+    from kubernetes import client
+
+    from tests.conftest import Kube
+    from tests.e2e.serving import LocalServer, local_command, secret_reader
+    from tests.models import minilm_dir
+
+    t0 = time.monotonic()
+    if _state().get("server"):
+        down(quiet=True)
+    cluster = Cluster(run_dir=RUN / "cluster")
+    kubeconfig = str(cluster.up())
+    print(f"demo: control plane up ({time.monotonic() - t0:.0f}s), KUBECONFIG={kubeconfig}")
+    kube = Kube(kubeconfig, local=True)
+    kube.apply(REPO / "crds" / "embedops.dev_embeddingservices.yaml")
+    kube.install_crds(["servicemonitor", "httproute", "scaledobject"])
+    st: dict = {"kubeconfig": kubeconfig}
+    _save(st)
+
+    env = {**os.environ, "KUBECONFIG": kubeconfig,
+           "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "server"), str(REPO)])}
+    op_log = RUN / "operator.log"
+    op_argv = [sys.executable, "-m", "embedops_operator.cli", "run", "--liveness", ""]
+    op = _spawn(op_argv, env, op_log)
+    st["operator"] = {"pid": op.pid, "argv0": op_argv[0], "log": str(op_log)}
+    _save(st)
+    print(f"demo: operator running (pid {op.pid}), log {op_log}")
+
+    with kube.api_client() as api:
+        core = client.CoreV1Api(api)
+        try:
+            core.create_namespace({"metadata": {"name": NAMESPACE}})
+        except client.ApiException as e:
+            if e.status != 409:
+                raise
+        _wait("default ServiceAccount", lambda: _sa(core), 60)
+        doc = yaml.safe_load(EXAMPLE.read_text())
+        from tests.e2e.test_examples import prerequisites
+        prerequisites(kube, NAMESPACE, [doc])
+        kube.apply([doc], namespace=NAMESPACE)
+        name = doc["metadata"]["name"]
+        co = client.CustomObjectsApi(api)
+
+        def ready():
+            o = co.get_namespaced_custom_object("embedops.dev", "v1alpha1", NAMESPACE, "embeddingservices", name)
+            conds = {c["type"]: c["status"] for c in (o.get("status") or {}).get("conditions") or []}
+            return o if conds.get("Ready") == "True" else None
+        _wait(f"EmbeddingService {name} Ready", ready, 180, op_log)
+        apps = client.AppsV1Api(api)
+        deps = [d for d in apps.list_namespaced_deployment(NAMESPACE).items
+                if any(r.kind == "EmbeddingService" and r.name == name for r in d.metadata.owner_references or [])]
+        dep = api.sanitize_for_serialization(deps[0])
+        print(f"demo: {name} Ready; its pod runs on kwok node "
+              f"{core.list_namespaced_pod(NAMESPACE).items[0].spec.node_name}")
+
+        models = RUN / "models"
+        models.mkdir(parents=True, exist_ok=True)
+        link = models / "all-MiniLM-L6-v2"
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(minilm_dir())
+        pvc_vols = {v["name"] for v in dep["spec"]["template"]["spec"].get("volumes") or []
+                    if v.get("persistentVolumeClaim")}
+        port = int(os.environ.get("EMBEDOPS_DEMO_PORT", "8080"))
+        argv, senv = local_command(dep, volume_dirs={v: models for v in pvc_vols}, scratch=RUN / "volumes",
+                                   port=port, secrets=secret_reader(core, NAMESPACE))
+    srv_log = RUN / "server.log"
+    srv = LocalServer(argv, senv, srv_log, port).start()
+    st["server"] = {"pid": srv.proc.pid, "argv0": argv[0], "log": str(srv_log), "argv": argv}
+    _save(st)
+    print(f"demo: server process (pid {srv.proc.pid}) = the Deployment's container command:\n  "
+          + " ".join([Path(argv[0]).name] + argv[1:]))
+    srv.wait_healthy(timeout=300)
+    served = doc["spec"]["model"].get("servedModelName") or name
+    print(f"\ndemo: ready in {time.monotonic() - t0:.0f}s. Embed through it:\n")
+    print(f"  curl -s http://127.0.0.1:{port}/v1/embeddings -H 'Content-Type: application/json' \\\n"
+          f"    -d '{{\"model\": \"{served}\", \"input\": [\"hello world\"]}}'\n")
+    print(f"  export KUBECONFIG={kubeconfig}; kubectl get embsvc -n {NAMESPACE}")
+    print("  stop everything: make demo-down")
+    return 0
+
+
+def _sa(core) -> bool:
+    try:
+        core.read_namespaced_service_account("default", NAMESPACE)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def down(quiet: bool = False) -> int:
+    st = _state()
+    for key in ("server", "operator"):
+        p = st.get(key)
+        if p:
+            _stop(key, p["pid"], p["argv0"])
+    Cluster(run_dir=RUN / "cluster").down(quiet=quiet)
+    if STATE.exists():
+        STATE.unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1] if len(sys.argv) > 1 else "up"
+    sys.exit({"up": up, "down": down}[cmd]() if cmd in ("up", "down") else 2)
