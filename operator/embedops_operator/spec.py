@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "embedops.dev"
@@ -167,6 +167,13 @@ class MIG(Model):
     strategy: Literal["mixed", "single"] = Field(
         "mixed", description="GPU operator MIG strategy: mixed → nvidia.com/mig-<profile>; single → nvidia.com/gpu.")
 
+    @model_validator(mode="after")
+    def _profile_of_product(self) -> "MIG":  # mirrors the CEL rule for offline parsing
+        if self.profile not in MIG_PROFILES[self.product]:
+            raise ValueError(f"MIG profile {self.profile} is not offered by {self.product}; valid: "
+                             + ", ".join(MIG_PROFILES[self.product]))
+        return self
+
 
 class GPU(Model):
     count: int = Field(1, ge=1, le=16, description="Whole GPUs per replica.")
@@ -189,6 +196,12 @@ class Accelerator(Model):
     mig: MIG | None = None
     gpu: GPU | None = None
     cpu: CPU | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "Accelerator":  # mirrors the CEL rule for offline parsing
+        if sum(x is not None for x in (self.mig, self.gpu, self.cpu)) != 1:
+            raise ValueError("accelerator: set exactly one of mig, gpu or cpu")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------------- serving

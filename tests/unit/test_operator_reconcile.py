@@ -1,0 +1,263 @@
+"""Reconcile loop against an in-memory API: no writes when nothing changed, drift corrected, pruning."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from embedops_operator import apply as A
+from embedops_operator import render as R
+from embedops_operator.reconcile import Reconciler, Settings
+from embedops_operator.validate import defaulted
+from tests.unit.operator_helpers import CPU, MIG, es
+
+
+def _merge(base, patch):
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for k, v in patch.items():
+            out[k] = _merge(base.get(k), v) if k in base else copy.deepcopy(v)
+        return out
+    return copy.deepcopy(patch)
+
+
+def _normalize(obj):
+    """What the API server would store: quantities canonicalised, a defaulted field added."""
+    obj = copy.deepcopy(obj)
+    if obj["kind"] == "Deployment":
+        for c in obj["spec"]["template"]["spec"]["containers"]:
+            for section in c.get("resources", {}).values():
+                for k, v in section.items():
+                    if isinstance(v, str) and v.endswith("000m"):
+                        section[k] = v[:-4]
+        obj["spec"]["template"]["spec"].setdefault("dnsPolicy", "ClusterFirst")
+    if obj["kind"] == "Service":
+        obj["spec"].setdefault("clusterIP", "10.0.0.7")
+    return obj
+
+
+class FakeKube:
+    def __init__(self, capabilities=frozenset(R.OPTIONAL_KINDS)):
+        self.objects: dict[tuple, dict] = {}
+        self.rv = 0
+        self.writes = 0
+        self.caps = capabilities
+        self.log: list[str] = []
+
+    def key(self, api_version, kind, ns, name):
+        return (api_version, kind, ns, name)
+
+    def get(self, api_version, kind, ns, name):
+        obj = self.objects.get(self.key(api_version, kind, ns, name))
+        return copy.deepcopy(obj) if obj else None
+
+    def list(self, api_version, kind, ns, selector=None):
+        want = dict(p.split("=") for p in selector.split(",")) if selector else {}
+        out = []
+        for (av, k, n, _), obj in sorted(self.objects.items()):
+            labels = obj["metadata"].get("labels") or {}
+            if av == api_version and k == kind and (ns is None or n == ns) and all(
+                    labels.get(a) == b for a, b in want.items()):
+                out.append(copy.deepcopy(obj))
+        return out
+
+    def _store(self, obj):
+        m = obj["metadata"]
+        self.rv += 1
+        m["resourceVersion"] = str(self.rv)
+        m.setdefault("uid", f"uid-{m['name']}-{obj['kind']}")
+        m["generation"] = m.get("generation", 0) + 1
+        self.objects[self.key(obj["apiVersion"], obj["kind"], m["namespace"], m["name"])] = obj
+
+    def apply(self, obj, manager=R.MANAGER, dry_run=False):
+        m = obj["metadata"]
+        live = self.objects.get(self.key(obj["apiVersion"], obj["kind"], m["namespace"], m["name"]))
+        merged = _normalize(_merge(live or {}, obj))
+        if live is not None:
+            merged["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
+        if dry_run:
+            return merged
+        self.writes += 1
+        self.log.append(f"apply {obj['kind']}/{m['name']} by {manager}")
+        if live is None or A.comparable(merged) != A.comparable(live):
+            self._store(merged)
+        return merged
+
+    def delete(self, api_version, kind, ns, name, uid=None):
+        self.writes += 1
+        self.log.append(f"delete {kind}/{name}")
+        self.objects.pop(self.key(api_version, kind, ns, name), None)
+
+    def patch_status(self, resource, status):
+        self.writes += 1
+        self.log.append("status")
+        m = resource["metadata"]
+        obj = self.objects[self.key("embedops.dev/v1alpha1", "EmbeddingService", m["namespace"], m["name"])]
+        obj["status"] = copy.deepcopy(status)
+        self.rv += 1
+        obj["metadata"]["resourceVersion"] = str(self.rv)
+
+    def capabilities(self):
+        return self.caps
+
+    def forget_capabilities(self):
+        pass
+
+    def create_service(self, spec, name="svc", ns="ml"):
+        obj = defaulted(es(spec, name=name, namespace=ns, generation=0))
+        obj["metadata"].pop("generation")
+        self._store(obj)
+        return obj
+
+    def update_spec(self, name, ns, spec):
+        obj = self.objects[self.key("embedops.dev/v1alpha1", "EmbeddingService", ns, name)]
+        obj["spec"] = defaulted(es(spec))["spec"]
+        obj["metadata"]["generation"] += 1
+
+    def rvs(self):
+        return {k: o["metadata"]["resourceVersion"] for k, o in self.objects.items()}
+
+
+@pytest.fixture
+def kube():
+    return FakeKube()
+
+
+def kinds(kube):
+    return sorted(k[1] for k in kube.objects if k[1] != "EmbeddingService")
+
+
+def test_first_reconcile_creates_children_and_status_then_nothing(kube):
+    spec = copy.deepcopy(CPU)
+    spec["accelerator"]["cpu"]["cores"] = 2
+    spec["resources"] = {"requests": {"cpu": "2000m"}}  # stored canonicalised as "2"
+    kube.create_service(spec)
+    rec = Reconciler(kube, Settings())
+    status = rec.reconcile("ml", "svc")
+    assert kinds(kube) == ["Deployment", "Service", "ServiceMonitor"]
+    dep = kube.get("apps/v1", "Deployment", "ml", "svc")
+    assert dep["metadata"]["ownerReferences"][0]["uid"] == "uid-svc-EmbeddingService"
+    assert status["observedGeneration"] == 1
+    before, writes = kube.rvs(), kube.writes
+    for _ in range(3):
+        assert rec.reconcile("ml", "svc") is None
+    assert kube.writes == writes, kube.log[writes:]
+    assert kube.rvs() == before
+
+
+def test_drift_is_corrected_once(kube):
+    kube.create_service(MIG)
+    rec = Reconciler(kube, Settings())
+    rec.reconcile("ml", "svc")
+    key = ("apps/v1", "Deployment", "ml", "svc")
+    kube.objects[key]["spec"]["replicas"] = 7  # someone edited the Deployment
+    writes = kube.writes
+    rec.reconcile("ml", "svc")
+    assert kube.objects[key]["spec"]["replicas"] == 1
+    assert kube.log[writes:] == ["apply Deployment/svc by embedops"]
+    writes = kube.writes
+    rec.reconcile("ml", "svc")
+    assert kube.writes == writes
+
+
+def test_spec_change_rolls_out_and_prunes(kube):
+    spec = copy.deepcopy(MIG)
+    spec["replicas"] = 3
+    kube.create_service(spec)
+    rec = Reconciler(kube, Settings())
+    rec.reconcile("ml", "svc")
+    assert "PodDisruptionBudget" in kinds(kube)
+    spec["replicas"] = 1
+    spec["monitoring"] = {"serviceMonitor": {"enabled": False}}
+    kube.update_spec("svc", "ml", spec)
+    status = rec.reconcile("ml", "svc")
+    assert kinds(kube) == ["Deployment", "Service"]
+    assert status["observedGeneration"] == 2
+
+
+def test_autoscaler_switches_when_keda_appears(kube):
+    kube.caps = frozenset({R.SERVICEMONITOR})
+    spec = copy.deepcopy(MIG)
+    spec["autoscaling"] = {"minReplicas": 1, "maxReplicas": 3}
+    kube.create_service(spec)
+    rec = Reconciler(kube, Settings())
+    rec.reconcile("ml", "svc")
+    assert "HorizontalPodAutoscaler" in kinds(kube)
+    kube.caps = frozenset(R.OPTIONAL_KINDS)
+    rec.reconcile("ml", "svc")
+    assert "ScaledObject" in kinds(kube) and "HorizontalPodAutoscaler" not in kinds(kube)
+
+
+def test_missing_crds_reported_then_picked_up(kube):
+    kube.caps = frozenset()
+    spec = copy.deepcopy(MIG)
+    spec["gateway"] = {"parentRefs": [{"name": "gw"}]}
+    kube.create_service(spec)
+    rec = Reconciler(kube, Settings())
+    status = rec.reconcile("ml", "svc")
+    c = {x["type"]: x for x in status["conditions"]}
+    assert (c["MonitoringReady"]["status"], c["MonitoringReady"]["reason"]) == ("False", "CRDNotInstalled")
+    assert c["RoutesReady"]["status"] == "False"
+    assert kinds(kube) == ["Deployment", "Service"]
+    kube.caps = frozenset(R.OPTIONAL_KINDS)
+    status = rec.reconcile("ml", "svc")
+    assert kinds(kube) == ["Deployment", "HTTPRoute", "Service", "ServiceMonitor"]
+    c = {x["type"]: x["status"] for x in status["conditions"]}
+    assert c["MonitoringReady"] == c["RoutesReady"] == "True"
+
+
+def test_shared_litellm_config_map_per_service_manager(kube):
+    for name in ("a", "b"):
+        spec = copy.deepcopy(MIG)
+        spec["litellm"] = {"configMapName": "litellm"}
+        kube.create_service(spec, name=name)
+        Reconciler(kube, Settings()).reconcile("ml", name)
+    cm = kube.get("v1", "ConfigMap", "ml", "litellm")
+    assert sorted(cm["data"]) == ["embedops-a.yaml", "embedops-b.yaml"]
+    assert "apply ConfigMap/litellm by embedops-litellm-a" in kube.log
+    assert "apply ConfigMap/litellm by embedops-litellm-b" in kube.log
+
+
+def test_invalid_stored_object_is_stalled_without_children(kube):
+    obj = kube.create_service(MIG)
+    kube.objects[("embedops.dev/v1alpha1", "EmbeddingService", "ml", "svc")]["spec"]["accelerator"] = {}
+    status = Reconciler(kube, Settings()).reconcile("ml", "svc")
+    c = {x["type"]: x for x in status["conditions"]}
+    assert c["Stalled"]["status"] == "True" and c["Stalled"]["reason"] == "InvalidSpec"
+    assert "exactly one of mig, gpu or cpu" in c["Stalled"]["message"]
+    assert kinds(kube) == []
+    assert obj
+
+
+def test_prune_only_touches_owned_children(kube):
+    kube.create_service(MIG)
+    rec = Reconciler(kube, Settings())
+    rec.reconcile("ml", "svc")
+    stranger = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+                "metadata": {"name": "other", "namespace": "ml",
+                             "labels": {R.LABEL_MANAGED_BY: R.MANAGER, R.LABEL_SERVICE: "svc"},
+                             "ownerReferences": [{"uid": "someone-else"}]}}
+    kube._store(stranger)
+    rec.reconcile("ml", "svc")
+    assert ("policy/v1", "PodDisruptionBudget", "ml", "other") in kube.objects
+
+
+def test_is_subset():
+    assert A.is_subset({"a": {"b": [1, {"c": 2}]}}, {"a": {"b": [1, {"c": 2, "d": 3}], "e": 1}})
+    assert not A.is_subset({"a": [1, 2]}, {"a": [1]})
+    assert not A.is_subset({"a": {"b": 1}}, {"a": {"b": 2}})
+    assert A.is_subset({"port": 80}, {"port": "80"})
+    assert not A.is_subset({"x": 1}, {})
+
+
+def test_deleted_service_removes_its_litellm_key(kube):
+    spec = copy.deepcopy(MIG)
+    spec["litellm"] = {"configMapName": "litellm"}
+    body = kube.create_service(spec, name="a")
+    rec = Reconciler(kube, Settings())
+    rec.reconcile("ml", "a")
+    applied = []
+    kube.apply = lambda obj, manager=R.MANAGER, dry_run=False: applied.append((obj, manager))
+    rec.forget("ml", "a", body)
+    assert applied == [({"apiVersion": "v1", "kind": "ConfigMap",
+                         "metadata": {"name": "litellm", "namespace": "ml"}}, "embedops-litellm-a")]

@@ -1,0 +1,168 @@
+"""Status: kstatus-compatible conditions computed purely from observed state."""
+from __future__ import annotations
+
+import copy
+import datetime as dt
+
+from embedops_operator import render as R
+from embedops_operator import status as ST
+from embedops_operator.validate import defaulted
+from tests.unit.operator_helpers import CPU, MIG, es
+
+NOW = dt.datetime(2026, 1, 1, 12, 0, 0, tzinfo=dt.timezone.utc)
+
+
+def conds(status: dict) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def deployment(replicas=2, ready=2, updated=2, available=None, generation=1, observed=1, spec_replicas=None,
+               conditions=()):
+    return {"metadata": {"generation": generation},
+            "spec": {"replicas": replicas if spec_replicas is None else spec_replicas},
+            "status": {"replicas": replicas, "readyReplicas": ready, "updatedReplicas": updated,
+                       "availableReplicas": ready if available is None else available,
+                       "observedGeneration": observed, "conditions": list(conditions)}}
+
+
+def pod(name="p-1", scheduled=None, waiting=None, init_waiting=None):
+    st: dict = {"conditions": []}
+    if scheduled:
+        st["conditions"].append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                 "message": scheduled[0], "lastTransitionTime": scheduled[1]})
+    if waiting:
+        st["containerStatuses"] = [{"name": "server", "state": {"waiting": {"reason": waiting, "message": "boom"}}}]
+    if init_waiting:
+        st["initContainerStatuses"] = [{"name": "download-model", "state": {"waiting": {"reason": init_waiting}}}]
+    return {"metadata": {"name": name}, "status": st}
+
+
+def compute(spec=MIG, observed=None, generation=3, status=None, **kw):
+    res = defaulted(es(spec, generation=generation, status=status))
+    return ST.compute(res, observed or ST.Observed(), R.Options(), now=kw.pop("now", NOW), **kw)
+
+
+def test_creating():
+    s = compute()
+    assert s["observedGeneration"] == 3
+    assert conds(s) == {"Ready": ("False", "Creating"), "Reconciling": ("True", "Creating"),
+                        "Stalled": ("False", "Creating"), "MonitoringReady": ("True", "Applied")}
+    assert s["selector"] == "app.kubernetes.io/instance=svc,app.kubernetes.io/name=embedops-server"
+    assert s["task"] == "embed" and s["accelerator"] == "mig-1g.10gb"
+    assert s["replicasSummary"] == "0/1"
+    assert s["url"] == "http://svc.ml.svc.cluster.local"
+    assert s["endpoints"]["openai"] == "http://svc.ml.svc.cluster.local/v1"
+    assert all(c["observedGeneration"] == 3 for c in s["conditions"])
+
+
+def test_ready_when_rolled_out():
+    spec = copy.deepcopy(MIG)
+    spec["replicas"] = 2
+    s = compute(spec, ST.Observed(deployment=deployment()))
+    assert conds(s)["Ready"] == ("True", "Available")
+    assert conds(s)["Reconciling"] == ("False", "Available")
+    assert conds(s)["Stalled"] == ("False", "Available")
+    assert (s["replicas"], s["readyReplicas"], s["updatedReplicas"]) == (2, 2, 2)
+    assert s["replicasSummary"] == "2/2"
+
+
+def test_rolling_out_and_waiting():
+    spec = copy.deepcopy(MIG)
+    spec["replicas"] = 2
+    s = compute(spec, ST.Observed(deployment=deployment(replicas=3, ready=2, updated=1)))
+    assert conds(s)["Reconciling"] == ("True", "RollingOut")
+    s = compute(spec, ST.Observed(deployment=deployment(ready=1)))
+    assert conds(s)["Ready"] == ("False", "WaitingForReplicas")
+    # Deployment controller has not seen the new template yet
+    s = compute(spec, ST.Observed(deployment=deployment(generation=2, observed=1)))
+    assert conds(s)["Ready"][0] == "False"
+
+
+def test_scaled_to_zero_is_ready():
+    spec = copy.deepcopy(CPU)
+    spec["replicas"] = 0
+    s = compute(spec, ST.Observed(deployment=deployment(replicas=0, ready=0, updated=0)))
+    assert conds(s)["Ready"] == ("True", "ScaledToZero")
+
+
+def test_autoscaled_desired_comes_from_the_deployment():
+    spec = copy.deepcopy(MIG)
+    spec["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4}
+    s = compute(spec, ST.Observed(deployment=deployment(replicas=3, ready=3, updated=3)))
+    assert s["replicasSummary"] == "3/3" and conds(s)["Ready"][0] == "True"
+    assert conds(s)["AutoscalingReady"] == ("True", "KEDA")
+
+
+def test_no_free_mig_slice_stalls_after_grace():
+    msg = "0/3 nodes are available: 1 Insufficient nvidia.com/mig-1g.10gb, 2 node(s) didn't match"
+    since = (NOW - dt.timedelta(seconds=90)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    obs = ST.Observed(deployment=deployment(replicas=1, ready=0, updated=1), pods=[pod(scheduled=(msg, since))])
+    s = compute(MIG, obs, stall_after=60)
+    assert conds(s)["Stalled"] == ("True", "InsufficientAccelerator")
+    assert conds(s)["Ready"] == ("False", "InsufficientAccelerator")
+    assert conds(s)["Reconciling"][0] == "False"
+    assert "Insufficient nvidia.com/mig-1g.10gb" in next(c for c in s["conditions"] if c["type"] == "Stalled")[
+        "message"]
+    # within the grace period: still in progress
+    s = compute(MIG, obs, stall_after=120)
+    assert conds(s)["Stalled"][0] == "False" and conds(s)["Reconciling"][0] == "True"
+    # other resources → Unschedulable
+    obs.pods = [pod(scheduled=("0/3 nodes are available: Insufficient cpu", since))]
+    assert conds(compute(MIG, obs, stall_after=60))["Stalled"] == ("True", "Unschedulable")
+
+
+def test_rollout_blocked_by_accelerator():
+    since = (NOW - dt.timedelta(seconds=900)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    dep = deployment(replicas=1, ready=0, updated=1, conditions=[
+        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded", "message": "timed out"}])
+    obs = ST.Observed(deployment=dep, pods=[pod(scheduled=("Insufficient nvidia.com/mig-1g.10gb", since))])
+    assert conds(compute(MIG, obs))["Stalled"] == ("True", "RolloutBlockedInsufficientAccelerator")
+    obs.pods = []
+    assert conds(compute(MIG, obs))["Stalled"] == ("True", "ProgressDeadlineExceeded")
+
+
+def test_crash_loop_image_pull_and_config_errors():
+    dep = deployment(replicas=1, ready=0, updated=1)
+    for waiting, reason in [("CrashLoopBackOff", "CrashLoop"), ("ImagePullBackOff", "ImagePullFailure"),
+                            ("ErrImagePull", "ImagePullFailure"), ("CreateContainerConfigError", "ConfigError")]:
+        s = compute(MIG, ST.Observed(deployment=dep, pods=[pod(waiting=waiting)]))
+        assert conds(s)["Stalled"] == ("True", reason), waiting
+    s = compute(MIG, ST.Observed(deployment=dep, pods=[pod(init_waiting="ImagePullBackOff")]))
+    assert conds(s)["Stalled"] == ("True", "ImagePullFailure")
+    # ContainerCreating is normal progress
+    s = compute(MIG, ST.Observed(deployment=dep, pods=[pod(waiting="ContainerCreating")]))
+    assert conds(s)["Stalled"][0] == "False"
+
+
+def test_invalid_spec_and_apply_errors():
+    s = compute(MIG, ST.Observed(invalid="gateway parentRef namespace not allowed"))
+    assert conds(s)["Stalled"] == ("True", "InvalidSpec")
+    s = compute(MIG, ST.Observed(apply_error="etcd timeout"))
+    assert conds(s)["Reconciling"] == ("True", "ApplyFailed") and conds(s)["Stalled"][0] == "False"
+    broken = es({"model": {"id": "x"}, "accelerator": {}})
+    s = ST.compute(broken, ST.Observed(), now=NOW)
+    assert conds(s)["Stalled"] == ("True", "InvalidSpec")
+
+
+def test_missing_optional_crds_are_conditions():
+    spec = copy.deepcopy(MIG)
+    spec["gateway"] = {"parentRefs": [{"name": "gw"}]}
+    obs = ST.Observed(deployment=deployment(replicas=1, ready=1, updated=1),
+                      missing={"monitoring": "ServiceMonitor", "routes": "HTTPRoute"})
+    s = compute(spec, obs)
+    assert conds(s)["MonitoringReady"] == ("False", "CRDNotInstalled")
+    assert conds(s)["RoutesReady"] == ("False", "CRDNotInstalled")
+    assert conds(s)["Ready"][0] == "True"  # the service itself serves
+
+
+def test_recompute_is_stable_and_keeps_transition_times():
+    spec = copy.deepcopy(MIG)
+    obs = ST.Observed(deployment=deployment(replicas=1, ready=1, updated=1))
+    first = compute(spec, obs)
+    later = NOW + dt.timedelta(minutes=5)
+    second = compute(spec, obs, status=first, now=later)
+    assert ST.normalized(first) == ST.normalized(second)
+    # a flip gets a new transition time, unchanged conditions keep theirs
+    third = compute(spec, ST.Observed(deployment=deployment(replicas=1, ready=0, updated=1)), status=first, now=later)
+    t = {c["type"]: c["lastTransitionTime"] for c in third["conditions"]}
+    assert t["Ready"] == "2026-01-01T12:05:00Z" and t["Stalled"] == "2026-01-01T12:00:00Z"
