@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import os
 from pathlib import Path
@@ -31,7 +32,7 @@ def export_onnx(info: ModelInfo, out_dir: Path) -> Path:
     model = load_torch_model(info, "float32", "cpu")
     task = info.task
     uses_tti = int(info.config.get("type_vocab_size", 0) or 0) > 0 and \
-        "token_type_ids" in model.forward.__code__.co_varnames
+        "token_type_ids" in inspect.signature(model.forward).parameters
 
     class Head(torch.nn.Module):
         def __init__(self):

@@ -1,6 +1,7 @@
 """torch backend: CPU or CUDA, float32/float16/bfloat16, SDPA attention."""
 from __future__ import annotations
 
+import inspect
 import logging
 
 import numpy as np
@@ -50,7 +51,7 @@ class TorchBackend(Backend):
         self.model = load_torch_model(info, dtype, device)
         self.pad_id = int(info.config.get("pad_token_id") or 0)
         self.hidden_size = int(info.config.get("hidden_size") or info.config.get("dim") or 0)
-        self._uses_tti = "token_type_ids" in self.model.forward.__code__.co_varnames and int(
+        self._uses_tti = "token_type_ids" in inspect.signature(self.model.forward).parameters and int(
             info.config.get("type_vocab_size", 0) or 0) > 0
 
     def bucket(self, rows: int, cols: int) -> tuple[int, int]:
