@@ -1,0 +1,395 @@
+"""The operator against a real API server (tests/conftest.py `kube`): kube-apiserver, controller-manager,
+scheduler and kwok nodes (a MIG GPU node, an AMX CPU node, a plain CPU node), or any KUBECONFIG.
+
+The operator runs in-process (kopf in a thread) with a 2 s resync and a 3 s stall grace.
+Tests share one namespace and run in file order (later tests build on earlier ones).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+NS = "embedops-it"
+GROUP, VERSION, PLURAL = "embedops.dev", "v1alpha1", "embeddingservices"
+OPTIONAL = ["servicemonitor", "httproute", "scaledobject"]
+
+CPU_SPEC = {
+    "model": {"id": "/models/all-MiniLM-L6-v2", "servedModelName": "all-MiniLM-L6-v2", "task": "embed",
+              "maxInputLength": 256},
+    "accelerator": {"cpu": {"cores": 2, "memory": "2Gi", "instructionSets": ["amx_int8"]}},
+    "batching": {"maxBatchTokens": 8192},
+    "litellm": {"configMapName": "litellm-models"},
+}
+MIG_SPEC = {
+    "model": {"id": "BAAI/bge-m3", "maxInputLength": 8192},
+    "accelerator": {"mig": {"product": "H100-80GB", "profile": "1g.10gb"}},
+    "monitoring": {"serviceMonitor": {"enabled": False}},
+}
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+def kubectl_binary() -> str | None:
+    if os.environ.get("KUBECTL"):
+        return os.environ["KUBECTL"]
+    cache = Path(os.environ.get("EMBEDOPS_CACHE", Path.home() / ".cache" / "embedops")) / "bin"
+    for cand in sorted(cache.glob("kubectl*/kubectl")) + sorted(cache.glob("kubectl")):
+        if os.access(cand, os.X_OK):
+            return str(cand)
+    return shutil.which("kubectl")
+
+
+def wait_for(what: str, fn, timeout: float = 60, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+        except Exception as exc:  # noqa: BLE001 - keep polling, report the last error
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+class OperatorThread:
+    """kopf.operator() in a background thread, against the fixture's kubeconfig."""
+
+    def __init__(self):
+        self.stop_flag = threading.Event()
+        self.ready_flag = threading.Event()
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> "OperatorThread":
+        import kopf
+
+        from embedops_operator import handlers  # noqa: F401 - registers the handlers
+
+        def run():
+            try:
+                asyncio.run(kopf.operator(standalone=True, clusterwide=True, stop_flag=self.stop_flag,
+                                          ready_flag=self.ready_flag))
+            except BaseException as exc:  # noqa: BLE001
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, name="embedops-operator", daemon=True)
+        self.thread.start()
+        assert self.ready_flag.wait(60), "operator did not start"
+        return self
+
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive() and self.error is None
+
+    def stop(self) -> None:
+        self.stop_flag.set()
+        if self.thread:
+            self.thread.join(60)
+            assert not self.thread.is_alive(), "operator did not stop"
+
+
+class Ctx:
+    def __init__(self, kube):
+        from kubernetes import client
+
+        self.kube = kube
+        self.api = kube.api_client()
+        self.custom = client.CustomObjectsApi(self.api)
+        self.apps = client.AppsV1Api(self.api)
+        self.core = client.CoreV1Api(self.api)
+        self.policy = client.PolicyV1Api(self.api)
+        self.autoscaling = client.AutoscalingV2Api(self.api)
+        self.operator: OperatorThread | None = None
+
+    # EmbeddingServices
+    def apply_es(self, name: str, spec: dict) -> dict:
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "EmbeddingService",
+                "metadata": {"name": name, "namespace": NS}, "spec": spec}
+        self.kube.apply([body], namespace=NS)
+        return self.get_es(name)
+
+    def get_es(self, name: str) -> dict:
+        return self.custom.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name)
+
+    def conditions(self, name: str) -> dict[str, dict]:
+        return {c["type"]: c for c in (self.get_es(name).get("status") or {}).get("conditions", [])}
+
+    def wait_condition(self, name: str, ctype: str, status: str = "True", reason: str | None = None,
+                       timeout: float = 90) -> dict:
+        def check():
+            es = self.get_es(name)
+            st = es.get("status") or {}
+            if st.get("observedGeneration") != es["metadata"]["generation"]:
+                return None
+            c = {x["type"]: x for x in st.get("conditions", [])}.get(ctype)
+            if c and c["status"] == status and (reason is None or c["reason"] == reason):
+                return es
+            return None
+        return wait_for(f"{name} {ctype}={status} {reason or ''}", check, timeout)
+
+    def deployment(self, name: str):
+        return self.apps.read_namespaced_deployment(name, NS)
+
+    def kubectl(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+        binary = kubectl_binary()
+        if not binary:
+            pytest.skip("kubectl not found (set KUBECTL or put it in ~/.cache/embedops/bin/kubectl*/)")
+        env = {**os.environ, "KUBECONFIG": self.kube.kubeconfig}
+        res = subprocess.run([binary, *args], capture_output=True, text=True, env=env, timeout=timeout)
+        if check:
+            assert res.returncode == 0, f"kubectl {' '.join(args)}: {res.stdout}{res.stderr}"
+        return res
+
+
+@pytest.fixture(scope="module")
+def ctx(kube):
+    saved = {k: os.environ.get(k) for k in ("KUBECONFIG", "EMBEDOPS_RESYNC_SECONDS",
+                                            "EMBEDOPS_STALL_AFTER_SECONDS", "EMBEDOPS_NAMESPACES")}
+    os.environ.update({"KUBECONFIG": kube.kubeconfig, "EMBEDOPS_RESYNC_SECONDS": "2",
+                       "EMBEDOPS_STALL_AFTER_SECONDS": "3", "EMBEDOPS_NAMESPACES": ""})
+    c = Ctx(kube)
+    kube.apply(REPO / "crds" / "embedops.dev_embeddingservices.yaml")
+
+    def established():
+        from kubernetes import client
+        crd = client.ApiextensionsV1Api(c.api).read_custom_resource_definition(f"{PLURAL}.{GROUP}")
+        return any(x.type == "Established" and x.status == "True" for x in crd.status.conditions or [])
+    wait_for("CRD established", established, 60)
+    kube.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}])
+    yield c
+    if c.operator:
+        c.operator.stop()
+    try:
+        c.core.delete_namespace(NS)
+    except Exception:  # noqa: BLE001
+        pass
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def operator(ctx):
+    if ctx.operator is None or not ctx.operator.alive():
+        ctx.operator = OperatorThread().start()
+    yield ctx.operator
+    assert ctx.operator.alive(), f"operator crashed: {ctx.operator.error!r}"
+
+
+# ---------------------------------------------------------------------------------------------------- tests
+
+def _create_raw(ctx, name: str, spec: dict):
+    from kubernetes.client.rest import ApiException
+
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "EmbeddingService",
+            "metadata": {"name": name, "namespace": NS}, "spec": spec}
+    with pytest.raises(ApiException) as err:
+        ctx.custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, body)
+    assert err.value.status == 422
+    return json.loads(err.value.body)["message"]
+
+
+def test_invalid_manifests_are_refused_with_the_cel_message(ctx):
+    msg = _create_raw(ctx, "bad-acc", {"model": {"id": "x"},
+                                       "accelerator": {"mig": {"profile": "1g.10gb"}, "cpu": {}}})
+    assert "accelerator: set exactly one of mig, gpu or cpu" in msg
+    msg = _create_raw(ctx, "bad-mig", {"model": {"id": "x"},
+                                       "accelerator": {"mig": {"product": "H200-141GB", "profile": "1g.10gb"}}})
+    assert "MIG profile 1g.10gb is not offered by H200-141GB; valid: 1g.18gb, 1g.35gb" in msg
+    msg = _create_raw(ctx, "bad-budget", {"model": {"id": "x", "maxInputLength": 8192},
+                                          "accelerator": {"cpu": {}}, "batching": {"maxBatchTokens": 512}})
+    assert "batching.maxBatchTokens (512) must be at least model.maxInputLength (8192)" in msg
+    msg = _create_raw(ctx, "bad-dtype", {"model": {"id": "x", "dtype": "float16"}, "accelerator": {"cpu": {}}})
+    assert "float16 is not supported on CPU" in msg
+    msg = _create_raw(ctx, "bad-enum", {"model": {"id": "x"}, "accelerator": {"mig": {"profile": "1g.99gb"}}})
+    assert "1g.99gb" in msg and "Unsupported value" in msg
+
+
+def test_apply_creates_owned_children_and_becomes_ready(ctx, operator):
+    es = ctx.apply_es("minilm", CPU_SPEC)
+    uid = es["metadata"]["uid"]
+    es = ctx.wait_condition("minilm", "Ready", "True", timeout=120)
+    st = es["status"]
+    assert st["observedGeneration"] == es["metadata"]["generation"]
+    assert st["replicasSummary"] == "1/1" and st["readyReplicas"] == 1
+    assert st["selector"] == "app.kubernetes.io/instance=minilm,app.kubernetes.io/name=embedops-server"
+    assert st["endpoints"]["openai"] == f"http://minilm.{NS}.svc.cluster.local/v1"
+    conds = {c["type"]: c["status"] for c in st["conditions"]}
+    assert conds["Reconciling"] == "False" and conds["Stalled"] == "False"
+    for obj in (ctx.deployment("minilm"), ctx.core.read_namespaced_service("minilm", NS)):
+        refs = obj.metadata.owner_references
+        assert len(refs) == 1 and refs[0].uid == uid and refs[0].controller is True and refs[0].kind == \
+            "EmbeddingService"
+        assert "embedops" in [m.manager for m in obj.metadata.managed_fields]
+    # CPU placement: the NFD-labelled AMX node
+    pods = ctx.core.list_namespaced_pod(NS, label_selector=st["selector"]).items
+    assert len(pods) == 1
+    if ctx.kube.local:
+        assert pods[0].spec.node_name == "cpu-amx-0"
+    # LiteLLM entry in the shared ConfigMap
+    cm = ctx.core.read_namespaced_config_map("litellm-models", NS)
+    assert '"openai/all-MiniLM-L6-v2"' in cm.data["embedops-minilm.yaml"]
+
+
+def test_kubectl_wait_and_get(ctx, operator):
+    ctx.kubectl("wait", "--for=condition=Ready", "embsvc/minilm", "-n", NS, "--timeout=60s")
+    out = ctx.kubectl("get", "embsvc", "-n", NS).stdout
+    header = out.splitlines()[0].split()
+    assert header[:7] == ["NAME", "MODEL", "TASK", "ACCELERATOR", "REPLICAS", "URL", "READY"]
+    row = next(line for line in out.splitlines() if line.startswith("minilm"))
+    assert "cpu-2(amx_int8)" in row and "1/1" in row and "True" in row
+
+
+def test_spec_change_rolls_out(ctx, operator):
+    before = ctx.deployment("minilm")
+    spec = json.loads(json.dumps(CPU_SPEC))
+    spec["batching"]["maxBatchTokens"] = 4096
+    es = ctx.apply_es("minilm", spec)
+    assert es["metadata"]["generation"] == 2
+    ctx.wait_condition("minilm", "Ready", "True")
+
+    def rolled():
+        d = ctx.deployment("minilm")
+        args = d.spec.template.spec.containers[0].args
+        return d.metadata.generation > before.metadata.generation and \
+            args[args.index("--max-batch-tokens") + 1] == "4096" and d.status.updated_replicas == 1 and \
+            d.status.ready_replicas == 1 and (d.status.replicas or 0) == 1
+    wait_for("rollout of the new template", rolled, 90)
+    es = ctx.wait_condition("minilm", "Ready", "True")
+    assert es["status"]["observedGeneration"] == 2
+
+
+def test_kubectl_scale(ctx, operator):
+    ctx.kubectl("scale", "embsvc/minilm", "-n", NS, "--replicas=3")
+    wait_for("deployment scaled", lambda: ctx.deployment("minilm").spec.replicas == 3, 30)
+    es = wait_for("3/3 ready", lambda: (lambda e: e if (e.get("status") or {}).get("replicasSummary") == "3/3"
+                                        and e["status"]["observedGeneration"] == e["metadata"]["generation"]
+                                        else None)(ctx.get_es("minilm")), 120)
+    assert es["spec"]["replicas"] == 3 and es["status"]["replicas"] == 3
+    ctx.wait_condition("minilm", "Ready", "True")
+    pdb = ctx.policy.read_namespaced_pod_disruption_budget("minilm", NS)
+    assert pdb.spec.max_unavailable == 1
+    # the scale subresource reads back through the selector
+    scale = ctx.custom.get_namespaced_custom_object_scale(GROUP, VERSION, NS, PLURAL, "minilm")
+    assert scale["status"]["replicas"] == 3 and "app.kubernetes.io/instance=minilm" in scale["status"]["selector"]
+    ctx.kubectl("scale", "embsvc/minilm", "-n", NS, "--replicas=1")
+    wait_for("PDB pruned", lambda: not ctx.policy.list_namespaced_pod_disruption_budget(NS).items, 60)
+    ctx.wait_condition("minilm", "Ready", "True", timeout=120)
+    wait_for("1/1", lambda: ctx.get_es("minilm")["status"]["replicasSummary"] == "1/1", 60)
+
+
+def _resource_versions(ctx, name: str) -> dict[str, str]:
+    out = {"EmbeddingService": ctx.get_es(name)["metadata"]["resourceVersion"],
+           "Deployment": ctx.deployment(name).metadata.resource_version,
+           "Service": ctx.core.read_namespaced_service(name, NS).metadata.resource_version,
+           "ConfigMap": ctx.core.read_namespaced_config_map("litellm-models", NS).metadata.resource_version}
+    for item in ctx.core.list_namespaced_pod(NS, label_selector=f"app.kubernetes.io/instance={name}").items:
+        out[f"Pod/{item.metadata.name}"] = item.metadata.resource_version
+    return out
+
+
+def test_operator_restart_and_resync_cause_no_writes(ctx, operator):
+    ctx.wait_condition("minilm", "Ready", "True")
+    time.sleep(3)  # let the last status write and pod updates settle
+    before = _resource_versions(ctx, "minilm")
+    time.sleep(5)  # two resyncs with the running operator
+    assert _resource_versions(ctx, "minilm") == before
+    ctx.operator.stop()
+    ctx.operator = OperatorThread().start()
+    time.sleep(8)  # initial listing + several resyncs
+    assert ctx.operator.alive()
+    assert _resource_versions(ctx, "minilm") == before
+
+
+def test_mig_service_lands_on_a_slice(ctx, operator):
+    ctx.apply_es("bge", MIG_SPEC)
+    ctx.wait_condition("bge", "Ready", "True", timeout=120)
+    d = ctx.deployment("bge")
+    c = d.spec.template.spec.containers[0]
+    assert c.resources.limits["nvidia.com/mig-1g.10gb"] == "1"
+    assert d.spec.strategy.rolling_update.max_surge == 0
+    pods = ctx.core.list_namespaced_pod(NS, label_selector="app.kubernetes.io/instance=bge").items
+    if ctx.kube.local:
+        assert [p.spec.node_name for p in pods] == ["gpu-h200-0"]
+    ctx.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "bge")
+    wait_for("bge pods gone", lambda: not ctx.core.list_namespaced_pod(
+        NS, label_selector="app.kubernetes.io/instance=bge").items, 90)
+
+
+def test_mig_request_without_a_free_slice_is_stalled(ctx, operator):
+    spec = json.loads(json.dumps(MIG_SPEC))
+    spec["accelerator"]["mig"]["count"] = 7  # one replica takes the whole node's seven slices
+    spec["replicas"] = 2
+    ctx.apply_es("greedy", spec)
+    es = ctx.wait_condition("greedy", "Stalled", "True", timeout=120)
+    stalled = {c["type"]: c for c in es["status"]["conditions"]}["Stalled"]
+    assert stalled["reason"] == "InsufficientAccelerator"
+    assert "nvidia.com/mig-1g.10gb" in stalled["message"]
+    ready = {c["type"]: c for c in es["status"]["conditions"]}["Ready"]
+    assert ready["status"] == "False" and ready["reason"] == "InsufficientAccelerator"
+    ctx.kubectl("wait", "--for=condition=Stalled", "embsvc/greedy", "-n", NS, "--timeout=30s")
+    ctx.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "greedy")
+    wait_for("greedy pods gone", lambda: not ctx.core.list_namespaced_pod(
+        NS, label_selector="app.kubernetes.io/instance=greedy").items, 90)
+
+
+def test_missing_optional_crds_give_conditions_then_are_picked_up(ctx, operator):
+    ctx.kube.uninstall_crds(OPTIONAL)
+    spec = json.loads(json.dumps(CPU_SPEC))
+    spec.pop("litellm")
+    spec["gateway"] = {"parentRefs": [{"name": "ai-gateway"}], "hostnames": ["ai.example.com"]}
+    spec["autoscaling"] = {"minReplicas": 1, "maxReplicas": 3}
+    ctx.apply_es("opt", spec)
+    es = ctx.wait_condition("opt", "MonitoringReady", "False", "CRDNotInstalled", timeout=90)
+    conds = {c["type"]: c for c in es["status"]["conditions"]}
+    assert conds["RoutesReady"]["status"] == "False" and conds["RoutesReady"]["reason"] == "CRDNotInstalled"
+    assert "HTTPRoute CRD is not installed" in conds["RoutesReady"]["message"]
+    assert conds["AutoscalingReady"]["reason"] == "HPA"
+    ctx.autoscaling.read_namespaced_horizontal_pod_autoscaler("opt", NS)
+    assert ctx.deployment("opt").spec.replicas == 1  # left to the autoscaler (defaulted on create)
+    ctx.wait_condition("opt", "Ready", "True", timeout=90)
+    assert ctx.operator.alive()
+
+    ctx.kube.install_crds(OPTIONAL)
+    ctx.wait_condition("opt", "MonitoringReady", "True", timeout=90)
+    es = ctx.wait_condition("opt", "RoutesReady", "True", timeout=60)
+    es = ctx.wait_condition("opt", "AutoscalingReady", "True", "KEDA", timeout=60)
+    uid = es["metadata"]["uid"]
+    sm = ctx.custom.get_namespaced_custom_object("monitoring.coreos.com", "v1", NS, "servicemonitors", "opt")
+    route = ctx.custom.get_namespaced_custom_object("gateway.networking.k8s.io", "v1", NS, "httproutes", "opt")
+    so = ctx.custom.get_namespaced_custom_object("keda.sh", "v1alpha1", NS, "scaledobjects", "opt")
+    for obj in (sm, route, so):
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert [r["matches"][0]["path"]["value"] for r in route["spec"]["rules"]] == \
+        ["/v1/embeddings", "/embed", "/embed_all"]
+    wait_for("HPA pruned", lambda: not [h for h in ctx.autoscaling.list_namespaced_horizontal_pod_autoscaler(
+        NS).items if h.metadata.name == "opt"], 60)
+
+
+def test_delete_cascades(ctx, operator):
+    ctx.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "minilm")
+
+    def gone():
+        deps = [d.metadata.name for d in ctx.apps.list_namespaced_deployment(NS).items]
+        svcs = [s.metadata.name for s in ctx.core.list_namespaced_service(NS).items]
+        return "minilm" not in deps and "minilm" not in svcs
+    wait_for("children garbage-collected", gone, 90)
+    cm = ctx.core.read_namespaced_config_map("litellm-models", NS)
+    wait_for("LiteLLM entry removed", lambda: "embedops-minilm.yaml" not in (
+        ctx.core.read_namespaced_config_map("litellm-models", NS).data or {}), 30)
+    assert cm is not None
+    assert ctx.operator.alive()
