@@ -202,7 +202,13 @@ def prune(kube: Kube, resource: dict, desired: list[dict], capabilities: frozens
     for api_version, kind in OWNED_KINDS:
         if (api_version, kind) in R.OPTIONAL_KINDS and (api_version, kind) not in capabilities:
             continue
-        for item in kube.list(api_version, kind, ns, selector):
+        try:
+            items = kube.list(api_version, kind, ns, selector)
+        except ApiException as exc:
+            if exc.status == 404:  # the CRD went away since discovery: nothing of that kind to prune
+                continue
+            raise
+        for item in items:
             im = item["metadata"]
             owned = any(ref.get("uid") == uid for ref in im.get("ownerReferences") or [])
             if owned and (kind, im["name"]) not in keep:

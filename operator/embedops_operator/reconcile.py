@@ -86,7 +86,7 @@ class Reconciler:
                         else:
                             observed.apply_error = msg
                         log.warning("%s/%s: apply failed: %s", namespace, name, msg)
-                        if exc.status >= 500 or exc.status in (409, 429):
+                        if exc.status >= 500 or exc.status in (404, 409, 429):
                             self.kube.forget_capabilities()
             observed.deployment = self.kube.get("apps/v1", "Deployment", namespace, name)
             observed.pods = self.kube.list("v1", "Pod", namespace, R.selector_string(name))
