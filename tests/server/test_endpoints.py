@@ -1,0 +1,128 @@
+"""Every remaining TEI route, the OpenAPI document, docs, metrics and response headers."""
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from tests.models import minilm_dir
+
+from .conftest import TEXTS, cosine
+
+
+def test_embed_options(minilm_torch, st_model):
+    u = minilm_torch
+    ref = st_model.encode(TEXTS[:3], normalize_embeddings=False)
+    raw = np.array(httpx.post(u + "/embed", json={"inputs": TEXTS[:3], "normalize": False}).json())
+    assert cosine(raw, ref).min() >= 0.9999
+    assert (np.linalg.norm(raw, axis=1) > 1.5).all()  # the pooled vector, not unit length
+    # MRL: truncate then renormalize
+    r = np.array(httpx.post(u + "/embed", json={"inputs": TEXTS[:3], "dimensions": 64}).json())
+    assert r.shape == (3, 64)
+    exp = ref[:, :64] / np.linalg.norm(ref[:, :64], axis=1, keepdims=True)
+    assert cosine(r, exp).min() >= 0.9999
+    np.testing.assert_allclose(np.linalg.norm(r, axis=1), 1, rtol=1e-5)
+    # token ids are decoded and re-tokenized, like TEI
+    tok_ids = st_model.tokenizer("Hello world", add_special_tokens=False)["input_ids"]
+    by_ids = httpx.post(u + "/embed", json={"inputs": tok_ids}).json()
+    assert cosine(by_ids[0], st_model.encode("hello world")) >= 0.9999
+    # truncation direction: left keeps the end of the text
+    long = "alpha " * 300 + "quantum chromodynamics explains how quarks and gluons interact " * 10
+    right = httpx.post(u + "/embed", json={"inputs": long, "truncate": True}).json()[0]
+    left = httpx.post(u + "/embed", json={"inputs": long, "truncate": True, "truncation_direction": "Left"}).json()[0]
+    assert cosine(right, left) < 0.9
+    assert cosine(right, st_model.encode(long)) >= 0.9999  # ST truncates right at 256 tokens
+
+
+def test_embed_all_matches_hidden_states(minilm_torch):
+    from transformers import AutoModel, AutoTokenizer
+
+    r = httpx.post(minilm_torch + "/embed_all", json={"inputs": ["Hello world", "a longer second sentence here"]})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    tok = AutoTokenizer.from_pretrained(str(minilm_dir()))
+    model = AutoModel.from_pretrained(str(minilm_dir())).eval()
+    for text, tokens in zip(["Hello world", "a longer second sentence here"], got):
+        enc = tok(text, return_tensors="pt")
+        with torch.no_grad():
+            h = model(**enc).last_hidden_state[0].numpy()
+        assert np.array(tokens).shape == h.shape
+        np.testing.assert_allclose(np.array(tokens), h, atol=2e-4)
+
+
+def test_similarity(minilm_torch, st_model):
+    src, sents = "A man is eating food.", ["A man eats a meal.", "A plane is taking off.", "Someone is eating."]
+    r = httpx.post(minilm_torch + "/similarity", json={"inputs": {"source_sentence": src, "sentences": sents}})
+    assert r.status_code == 200, r.text
+    ref = st_model.encode([src, *sents], normalize_embeddings=True)
+    np.testing.assert_allclose(r.json(), ref[1:] @ ref[0], atol=1e-4)
+
+
+def test_tokenize_and_decode(minilm_torch):
+    r = httpx.post(minilm_torch + "/tokenize", json={"inputs": ["Hello world", "Paris"]})
+    assert r.status_code == 200, r.text
+    toks = r.json()
+    assert [t["text"] for t in toks[0]] == ["[CLS]", "Hello", "world", "[SEP]"]
+    assert toks[0][0]["special"] and not toks[0][1]["special"]
+    assert (toks[0][2]["start"], toks[0][2]["stop"]) == (6, 11)
+    ids = [t["id"] for t in toks[0]]
+    assert ids[0] == 101 and ids[-1] == 102
+    no_special = httpx.post(minilm_torch + "/tokenize", json={"inputs": "Hello", "add_special_tokens": False}).json()
+    assert len(no_special[0]) == 1
+    d = httpx.post(minilm_torch + "/decode", json={"ids": ids})
+    assert d.status_code == 200 and d.json() == ["hello world"]
+    d = httpx.post(minilm_torch + "/decode", json={"ids": [ids, ids], "skip_special_tokens": False}).json()
+    assert d == ["[CLS] hello world [SEP]"] * 2
+
+
+def test_headers_info_health(minilm_torch):
+    r = httpx.post(minilm_torch + "/embed", json={"inputs": ["Hello world", "x"]})
+    for h in ("x-compute-time", "x-queue-time", "x-inference-time", "x-tokenization-time", "x-total-time"):
+        assert float(r.headers[h]) >= 0
+    assert int(r.headers["x-compute-tokens"]) == 4 + 3
+    assert httpx.get(minilm_torch + "/health").status_code == 200
+    info = httpx.get(minilm_torch + "/info").json()
+    assert info["max_batch_tokens"] == 16384 and info["max_input_length"] == 256
+    assert info["max_concurrent_requests"] == 512 and info["model_type"]["embedding"]["pooling"] == "mean"
+
+
+def test_openapi_docs_metrics(minilm_torch):
+    spec = httpx.get(minilm_torch + "/openapi.json").json()
+    for path in ("/embed", "/embed_all", "/embed_sparse", "/rerank", "/predict", "/similarity", "/tokenize",
+                 "/decode", "/v1/embeddings", "/v1/rerank", "/info", "/health", "/metrics"):
+        assert path in spec["paths"], path
+    docs = httpx.get(minilm_torch + "/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    httpx.post(minilm_torch + "/embed", json={"inputs": "warm"})
+    text = httpx.get(minilm_torch + "/metrics").text
+    for name in ("te_request_count", "te_request_success", "te_request_failure", "te_embed_count",
+                 "te_request_duration", "te_request_queue_duration", "te_request_inference_duration",
+                 "te_request_tokenization_duration", "te_request_input_length", "te_batch_next_size",
+                 "te_batch_next_tokens", "te_queue_size"):
+        assert f"# HELP {name} " in text, name
+    assert 'te_request_success{method="single"}' in text
+    assert "_total" not in text and "_created" not in text
+
+
+def test_openai_sdk_float_and_base64(minilm_torch, st_model):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=minilm_torch + "/v1", api_key="unused", max_retries=0)
+    f = client.embeddings.create(model="minilm", input=TEXTS[:3], encoding_format="float")
+    b = client.embeddings.create(model="minilm", input=TEXTS[:3], encoding_format="base64")
+    vf = np.array([d.embedding for d in f.data])
+    # an explicit base64 request hands back the string: little-endian float32 bytes
+    vb = np.array([np.frombuffer(base64.b64decode(d.embedding), dtype="<f4") if isinstance(d.embedding, str)
+                   else d.embedding for d in b.data])
+    np.testing.assert_array_equal(vf.astype(np.float32), vb.astype(np.float32))
+    assert cosine(vf, st_model.encode(TEXTS[:3])).min() >= 0.9999
+    assert f.usage.prompt_tokens > 0 and f.model
+    # the SDK's default (no encoding_format) asks for base64 and decodes it
+    d = client.embeddings.create(model="minilm", input="Hello world", dimensions=32)
+    assert len(d.data[0].embedding) == 32
+    raw = httpx.post(minilm_torch + "/v1/embeddings", json={"input": "Hello world", "encoding_format": "base64"}).json()
+    vec = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    assert vec.shape == (384,) and cosine(vec, st_model.encode("Hello world")) >= 0.9999
