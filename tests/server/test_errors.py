@@ -1,0 +1,111 @@
+"""Every error code, in TEI's shape (OpenAI's on OpenAI routes); bad input never yields a 500 or a hang."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from .conftest import run_server
+
+AUTH = {"Authorization": "Bearer s3cret-key"}
+
+
+def _err(r, status, kind):
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert body["error_type"] == kind and body["error"], body
+    return body["error"]
+
+
+def test_empty_inputs_400(minilm_torch, reranker):
+    _err(httpx.post(minilm_torch + "/embed", json={"inputs": []}), 400, "Empty")
+    _err(httpx.post(reranker + "/rerank", json={"query": "q", "texts": []}, headers=AUTH), 400, "Empty")
+    r = httpx.post(minilm_torch + "/v1/embeddings", json={"input": []})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"inputs": ["x"] * 65}, "batch size 65 > maximum allowed batch size 64"),
+    ({"inputs": "word " * 300, "truncate": False}, "must have less than 256 tokens"),
+    ({"inputs": "x", "dimensions": 0}, "dimensions"),
+    ({"inputs": "x", "dimensions": 385}, "dimensions"),
+    ({"inputs": 12.5}, "inputs"),
+    ({"inputs": [["a"]]}, "inputs"),
+    ({"inputs": "x", "truncation_direction": "up"}, "truncation_direction"),
+    ({"inputs": "x", "prompt_name": "query"}, "prompt_name"),
+    ({"inputs": [999999]}, "token id out of range"),
+    ({"inputs": "x" * 70000, "truncate": False}, "characters"),
+    ({"nothing": 1}, "inputs"),
+])
+def test_validation_422(minilm_torch, body, needle):
+    msg = _err(httpx.post(minilm_torch + "/embed", json=body, timeout=30), 422, "Validation")
+    assert needle in msg
+
+
+def test_malformed_bodies_are_4xx(minilm_torch):
+    u = minilm_torch + "/embed"
+    hdr = {"content-type": "application/json"}
+    _err(httpx.post(u, content=b'{"inputs": ["a",', headers=hdr), 422, "Validation")
+    r = httpx.post(u, content=b'{"inputs": "\xff\xfe bad utf8"}', headers=hdr)
+    assert 400 <= r.status_code < 500 and "error_type" in r.json()
+    _err(httpx.post(u, content=b"[1, 2]", headers=hdr), 422, "Validation")
+    _err(httpx.post(u, content=b"", headers=hdr), 422, "Validation")
+    r = httpx.post(minilm_torch + "/v1/embeddings", content=b"{oops", headers=hdr)
+    assert r.status_code == 422 and "message" in r.json()["error"]
+    _err(httpx.post(minilm_torch + "/nope", json={}), 404, "NotFound")
+    _err(httpx.get(minilm_torch + "/embed"), 405, "MethodNotAllowed")
+    # the server is unaffected
+    assert httpx.post(u, json={"inputs": "still fine"}).status_code == 200
+
+
+def test_payload_limit_413(minilm_torch):
+    big = json.dumps({"inputs": ["x" * 1000] * 2100}).encode()
+    assert len(big) > 2_000_000
+    r = httpx.post(minilm_torch + "/embed", content=big, headers={"content-type": "application/json"})
+    _err(r, 413, "PayloadTooLarge")
+
+    def chunks():  # no content-length: chunked transfer encoding
+        for i in range(0, len(big), 65536):
+            yield big[i:i + 65536]
+
+    r = httpx.post(minilm_torch + "/embed", content=chunks(), headers={"content-type": "application/json"})
+    _err(r, 413, "PayloadTooLarge")
+
+    small = json.dumps({"inputs": "chunked but small"}).encode()
+    r = httpx.post(minilm_torch + "/embed", content=iter([small[:5], small[5:]]),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 200
+
+
+def test_api_key_401(reranker):
+    body = {"query": "q", "texts": ["a"]}
+    _err(httpx.post(reranker + "/rerank", json=body), 401, "Unauthorized")
+    _err(httpx.post(reranker + "/rerank", json=body, headers={"Authorization": "Bearer wrong"}), 401, "Unauthorized")
+    _err(httpx.post(reranker + "/rerank", json=body, headers={"Authorization": "s3cret-key"}), 401, "Unauthorized")
+    assert httpx.post(reranker + "/rerank", json=body, headers=AUTH).status_code == 200
+    # probes and scrapes stay public
+    assert httpx.get(reranker + "/health").status_code == 200
+    assert httpx.get(reranker + "/metrics").status_code == 200
+    assert httpx.get(reranker + "/info").status_code == 401
+
+
+def test_not_ready_503(tmp_path):
+    with run_server(wait=False, model_id=str(tmp_path / "missing")) as (url, st):
+        deadline = time.time() + 30
+        while st.load_error is None and time.time() < deadline:
+            time.sleep(0.05)
+        _err(httpx.get(url + "/health"), 503, "Unhealthy")
+        _err(httpx.post(url + "/embed", json={"inputs": "x"}), 503, "Unhealthy")
+        r = httpx.post(url + "/v1/embeddings", json={"input": "x"})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+
+
+def test_truncated_request_line_does_not_hang(minilm_torch):
+    host, port = minilm_torch.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 50\r\n\r\n{\"inp")
+    # the half-sent request is abandoned; the server keeps serving
+    assert httpx.post(minilm_torch + "/embed", json={"inputs": "ok"}, timeout=10).status_code == 200
