@@ -1,0 +1,384 @@
+"""``python -m bench``: run the scenarios side by side and report.
+
+    python -m bench                     # quick profile (about 3 minutes), all targets
+    python -m bench --profile full      # longer runs, concurrency sweep 1/4/16/32/64
+    python -m bench --targets embedops-onnx,infinity --scenarios 1,2
+    python -m bench --soak 600          # 10-minute RSS soak of the embedops server
+    python -m bench --gpu               # the H200 profile (bench/gpu_check.sh runs it)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+from . import report
+from .loadgen import Request, run_load_sync, summarize
+from .models import minilm_cross_encoder, minilm_dir
+from .textgen import TextGen, load_tokenizer
+from . import workloads as W
+
+ALL_TARGETS = ["embedops-onnx", "embedops-torch", "infinity", "naive"]
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def log(*a) -> None:
+    print(time.strftime("[%H:%M:%S]"), *a, file=sys.stderr, flush=True)
+
+
+def machine_state() -> dict:
+    import os
+
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = (0, 0, 0)
+    try:
+        import psutil
+
+        mem = psutil.virtual_memory()._asdict()
+        top = sorted(((p.info["cpu_percent"] or 0, p.info["name"]) for p in
+                      psutil.process_iter(["cpu_percent", "name"])), reverse=True)
+    except Exception:
+        mem, top = {}, []
+    return {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
+            "cpus": len(os.sched_getaffinity(0)), "cpu_model": _cpu_model(), "loadavg": load,
+            "mem_total_gb": round(mem.get("total", 0) / 2**30, 1), "python": platform.python_version()}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+class Runner:
+    def __init__(self, args):
+        self.args = args
+        self.profile = W.PROFILES[args.profile]
+        self.rows: list[dict] = []
+        self.errors: dict[str, str] = {}
+        self.targets: dict = {}
+        self.model_dir = Path(args.model_id) if args.model_id else minilm_dir()
+        self.tok = load_tokenizer(self.model_dir)
+        self.gen = TextGen(self.tok, seed=args.seed)
+        self.w = W.build(self.gen, self.profile)
+        self.out = Path(args.out)
+        self.logs = self.out / "logs"
+        self.rerank_dir = None
+        self.rss: dict[str, dict] = {}
+        self.meta: dict = {}
+
+    # ------------------------------------------------------------------ servers
+    def start_targets(self, names: list[str], rerank: bool) -> None:
+        from .targets import embedops_target, infinity_target, naive_target
+
+        for name in names:
+            try:
+                if name.startswith("embedops-"):
+                    backend = name.split("-", 1)[1]
+                    if rerank:
+                        if backend != "onnx":
+                            continue  # one reranking embedops server is enough: the ONNX one
+                        t = embedops_target(self.model_dir, self.args.onnx_backend_name,
+                                            rerank_model=self.rerank_dir, log_dir=self.logs,
+                                            name="embedops-onnx", extra_args=self.args.embedops_args)
+                    else:
+                        bname = self.args.onnx_backend_name if backend == "onnx" else backend
+                        t = embedops_target(self.model_dir, bname, log_dir=self.logs, name=name,
+                                            extra_args=self.args.embedops_args)
+                elif name == "infinity":
+                    if name in self.targets:
+                        continue
+                    t = infinity_target(self.model_dir, rerank_model=self.rerank_dir, log_dir=self.logs)
+                elif name == "naive":
+                    if name in self.targets:
+                        continue
+                    t = naive_target(self.model_dir, rerank_model=self.rerank_dir, log_dir=self.logs)
+                else:
+                    raise ValueError(f"unknown target {name}")
+                log(f"starting {t.name}: {' '.join(t.server.argv)}")
+                t.server.start()
+                log(f"{t.name} up in {t.server.startup_s:.1f}s, RSS {t.server.rss_mb():.0f} MB")
+                self.targets[t.name + ("/rerank" if rerank and name.startswith("embedops") else "")] = t
+                self.meta.setdefault("startup_s", {})[t.name] = round(t.server.startup_s, 2)
+            except Exception as e:
+                msg = f"{type(e).__name__}: {e}"
+                log(f"{name} could not start: {msg[:2000]}")
+                self.errors[name + ("/rerank" if rerank else "")] = msg[:4000]
+
+    def stop_target(self, key: str) -> None:
+        t = self.targets.pop(key, None)
+        if t:
+            self.record_rss(t)
+            t.server.stop()
+
+    def record_rss(self, t) -> None:
+        cur = self.rss.setdefault(t.name, {"peak_rss_mb": 0.0})
+        cur["peak_rss_mb"] = max(cur["peak_rss_mb"], round(t.server.peak_rss_mb(), 1))
+        cur["rss_now_mb"] = round(t.server.rss_mb(), 1)
+        gpu = report.gpu_memory_from_metrics(t.server.get("/metrics"), t.server.get("/info"))
+        if gpu is not None:
+            cur["gpu_mem_mb"] = gpu
+
+    def http_targets(self, rerank: bool = False):
+        keys = [k for k in self.targets if k.endswith("/rerank") == rerank
+                or (rerank and k in ("infinity", "naive"))]
+        if rerank:
+            keys = [k for k in keys if self.targets[k].rerank_url]
+        # interleave: rotate the order every scenario so no target always runs first/last
+        r = len(self.rows) % max(1, len(keys))
+        return [(k, self.targets[k]) for k in keys[r:] + keys[:r]]
+
+    # ------------------------------------------------------------------ helpers
+    def add(self, scenario: str, target: str, kind: str, concurrency: int | None, stats: dict, **extra):
+        row = {"scenario": scenario, "target": target, "kind": kind, "concurrency": concurrency,
+               **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in stats.items()}, **extra}
+        self.rows.append(row)
+        p = lambda k: row.get(k, float("nan"))
+        log(f"  {scenario:<10} {target:<28} c={concurrency!s:<3} p50={p('p50_ms'):.1f}ms "
+            f"p99={p('p99_ms'):.1f}ms req/s={p('req_s'):.1f} texts/s={p('texts_s'):.1f} "
+            f"tok/s={p('tokens_s'):.0f} err={row.get('errors', 0)}")
+
+    def http(self, scenario: str, key: str, t, reqs: list[Request], concurrency: int, *,
+             url: str, check, duration_s: float, max_requests: int, warmup: int | None = None):
+        samples, wall = run_load_sync(url, reqs, concurrency=concurrency, max_requests=max_requests,
+                                      duration_s=duration_s, check=check,
+                                      warmup=concurrency if warmup is None else warmup,
+                                      request_timeout_s=120, drain_s=120)
+        st = summarize(samples, wall)
+        self.add(scenario, key, "http", concurrency, st.as_dict())
+        self.record_rss(t)
+        return st
+
+    def ceilings(self):
+        if not hasattr(self, "_ceil"):
+            from .ceiling import OrtForward, STEncode, Tokenize, TorchForward, server_onnx_file
+            from .models import minilm_onnx_file
+
+            c = {"tokenize": Tokenize(self.tok)}
+            onnx = server_onnx_file(self.model_dir) or minilm_onnx_file()
+            self.meta["ceiling_onnx_file"] = str(onnx)
+            c.update(self._calibrated(onnx, self.model_dir, rerank=False, tokenize=c["tokenize"],
+                                      probes=[[q] for q in self.w.short_queries[:8]] + [self.w.single_texts[:16]]))
+            c["st"] = STEncode(self.model_dir, threads=self.meta["ceiling_threads"]["torch"]["threads"])
+            self._ceil = c
+        return self._ceil
+
+    def _calibrated(self, onnx, model_dir, *, rerank: bool, tokenize, probes) -> dict:
+        """ONNX Runtime and torch forwards at their fastest thread settings on this machine now."""
+        from .ceiling import OrtForward, TorchForward, calibrate, n_threads
+
+        n = n_threads()
+        out, key = {}, "ceiling_threads" + ("_rerank" if rerank else "")
+        thr = self.meta.setdefault(key, {})
+        if onnx:
+            cfgs = [{"threads": n}, {"threads": n, "spinning": False}, {"threads": 1}] if n > 1 else [{"threads": 1}]
+            out["onnx"], thr["onnx"], thr["onnx_timings"] = calibrate(lambda c: OrtForward(onnx, **c), cfgs,
+                                                                      tokenize, probes)
+        cfgs = [{"threads": n}, {"threads": 1}] if n > 1 else [{"threads": 1}]
+        out["torch"], thr["torch"], thr["torch_timings"] = calibrate(
+            lambda c: TorchForward(model_dir, rerank=rerank, **c), cfgs, tokenize, probes)
+        log(f"ceiling thread settings: onnx {thr.get('onnx')}, torch {thr['torch']} ({thr})")
+        return out
+
+    def ceiling(self, scenario: str, batches, counts, *, label: str, both: bool = True,
+                backends=("onnx", "torch"), st: bool = True, budget: float | None = None,
+                forwards=None, tokenize=None, max_iters: int = 10_000):
+        from .ceiling import time_batches, time_st
+
+        c = forwards or self.ceilings()
+        tokenize = tokenize or c["tokenize"]
+        budget = budget or self.profile.ceiling_budget_s
+        for b in backends:
+            for inc in ((True, False) if both else (True,)):
+                r = time_batches(c[b], tokenize, batches, counts, include_tokenization=inc, budget_s=budget,
+                                 max_iters=max_iters)
+                name = f"ceiling-{b}" + ("" if inc else "-notok")
+                self.add(scenario, name, "ceiling", None, r.as_dict(), batch=label)
+        if st and "st" in c:
+            r = time_st(c["st"], batches, counts, budget, max_iters=max_iters)
+            self.add(scenario, "inline-encode", "inline", None, r.as_dict(), batch=label)
+
+    # ------------------------------------------------------------------ scenarios
+    def s1(self):
+        log("scenario 1: online, one short query at a time (concurrency 1)")
+        w, P = self.w, self.profile
+        self.ceiling("1-online", [[q] for q in w.short_queries], w.counts["short_queries"], label="1x16")
+        for key, t in self.http_targets():
+            reqs = [Request(t.embed_body([q]), 1, n) for q, n in zip(w.short_queries, w.counts["short_queries"])]
+            self.http("1-online", key, t, reqs, 1, url=t.embed_url, check=t.embed_check,
+                      duration_s=P.duration_s, max_requests=min(P.max_requests, 400), warmup=5)
+
+    def s2(self):
+        w, P = self.w, self.profile
+        texts, counts = w.single_texts, w.counts["single_texts"]
+        for c in P.concurrencies:
+            log(f"scenario 2: single texts, concurrency {c}")
+            bs = min(c, 64)
+            batches = [texts[i:i + bs] for i in range(0, len(texts) - bs + 1, bs)]
+            self.ceiling(f"2-c{c}", batches, [sum(counts[i:i + bs]) for i in range(0, len(texts) - bs + 1, bs)],
+                         label=f"{bs}x32", both=P.both_tokenization or c == P.concurrencies[0])
+            for key, t in self.http_targets():
+                reqs = [Request(t.embed_body([x]), 1, n) for x, n in zip(texts, counts)]
+                self.http(f"2-c{c}", key, t, reqs, c, url=t.embed_url, check=t.embed_check,
+                          duration_s=P.duration_s, max_requests=P.max_requests)
+
+    def s3(self):
+        log("scenario 3: ingestion, 32 texts x 256 tokens per request, saturated")
+        w, P = self.w, self.profile
+        self.ceiling("3-ingest", w.ingest_batches, w.counts["ingest_batches"], label="32x256",
+                     both=True, max_iters=max(2, P.ingest_requests // 2))
+        for key, t in self.http_targets():
+            reqs = [Request(t.embed_body(b), len(b), n) for b, n in zip(w.ingest_batches, w.counts["ingest_batches"])]
+            self.http("3-ingest", key, t, reqs, 2, url=t.embed_url, check=t.embed_check,
+                      duration_s=120, max_requests=P.ingest_requests, warmup=1)
+
+    def s4(self):
+        log("scenario 4: rerank, a query with 50 passages of 256 tokens")
+        w, P = self.w, self.profile
+        from .ceiling import OrtForward, Tokenize, TorchForward, server_onnx_file  # noqa: F401
+
+        pair_tok = w.counts["rerank_pair_tokens"]
+        batches = [[(w.rerank_query, p) for p in ps] for ps in w.rerank_passages]
+        counts = [pair_tok * len(ps) for ps in w.rerank_passages]
+        real = [sum(len(e.ids) for e in self.tok.encode_batch(b)) for b in batches]
+        self.meta["rerank_pair_tokens"] = {"expected": counts, "measured": real}
+        f = {"tokenize": Tokenize(self.tok, pairs=True)}
+        try:
+            onnx = server_onnx_file(self.rerank_dir)
+            self.ceilings()  # thread settings are calibrated once, on the embedding model
+            thr = self.meta["ceiling_threads"]
+            if onnx:
+                f["onnx"] = OrtForward(onnx, **thr["onnx"])
+            f["torch"] = TorchForward(self.rerank_dir, rerank=True, **thr["torch"])
+            from .ceiling import STEncode
+
+            f["st"] = STEncode(self.rerank_dir, rerank=True, threads=thr["torch"]["threads"])
+            self.ceiling("4-rerank", batches, real, label="50x287", both=P.both_tokenization,
+                         backends=[b for b in ("onnx", "torch") if b in f], forwards=f, max_iters=2)
+        except Exception as e:
+            self.errors["4-rerank ceiling"] = f"{type(e).__name__}: {e}"
+            log("rerank ceiling failed:", e)
+        self.start_targets([n for n in self.args.targets if n.startswith("embedops-onnx")], rerank=True)
+        for key, t in self.http_targets(rerank=True):
+            reqs = [Request(t.rerank_body(w.rerank_query, ps), len(ps), n) for ps, n in zip(w.rerank_passages, real)]
+            self.http("4-rerank", key, t, reqs, 1, url=t.rerank_url, check=t.rerank_check,
+                      duration_s=120, max_requests=P.rerank_requests, warmup=1)
+        for key in [k for k in self.targets if k.endswith("/rerank")]:
+            self.stop_target(key)
+        for key in self.args.targets:
+            if key not in ("infinity", "naive") and not any(r["target"] == key and r["scenario"] == "4-rerank"
+                                                              for r in self.rows):
+                if key.startswith("embedops-torch"):
+                    self.rows.append({"scenario": "4-rerank", "target": key, "kind": "http", "na":
+                                      "rerank measured on the ONNX embedops server only"})
+
+    def s5(self):
+        log("scenario 5: mixed lengths 16-512 tokens, single texts from 32 clients")
+        w, P = self.w, self.profile
+        texts, counts = w.mixed_texts, w.counts["mixed_texts"]
+        mean = round(sum(counts) / len(counts))
+        uni = [self.gen.texts(32, mean) for _ in range(3)]
+        # uniform-length ceiling at the mean length (same tokens per batch, no padding)
+        self.ceiling("5-mixed", uni, [32 * mean] * len(uni), label=f"32x{mean} uniform", both=False,
+                     st=False, max_iters=6)
+        for r in self.rows[-2:]:
+            r["target"] += "-uniform"
+        # the same mixed texts in arrival order, padded to the longest (what FIFO batching pays)
+        mixed = [texts[i:i + 32] for i in range(0, 32 * 3, 32)]
+        self.ceiling("5-mixed", mixed, [sum(counts[i:i + 32]) for i in range(0, 96, 32)],
+                     label="32 mixed padded", both=False, st=False, max_iters=6)
+        for r in self.rows[-2:]:
+            r["target"] += "-mixedpad"
+        for key, t in self.http_targets():
+            reqs = [Request(t.embed_body([x]), 1, n) for x, n in zip(texts, counts)]
+            self.http("5-mixed", key, t, reqs, W.MIXED_CLIENTS, url=t.embed_url, check=t.embed_check,
+                      duration_s=P.mixed_duration_s, max_requests=P.max_requests, warmup=8)
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> dict:
+        t0 = time.time()
+        self.meta.update(machine_before=machine_state(), profile=self.profile.__dict__,
+                         model=str(self.model_dir), seed=self.args.seed, argv=sys.argv[1:])
+        scen = set(self.args.scenarios)
+        if 4 in scen:
+            self.rerank_dir = minilm_cross_encoder()
+        self.start_targets([n for n in self.args.targets], rerank=False)
+        try:
+            for i, fn in ((1, self.s1), (2, self.s2), (3, self.s3), (4, self.s4), (5, self.s5)):
+                if i in scen:
+                    try:
+                        fn()
+                    except Exception as e:
+                        import traceback
+
+                        traceback.print_exc()
+                        self.errors[f"scenario {i}"] = f"{type(e).__name__}: {e}"
+        finally:
+            for key in list(self.targets):
+                self.stop_target(key)
+        self.meta.update(machine_after=machine_state(), total_s=round(time.time() - t0, 1))
+        return {"meta": self.meta, "rows": self.rows, "rss": self.rss, "errors": self.errors}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", choices=sorted(W.PROFILES), default="quick")
+    ap.add_argument("--quick", action="store_const", const="quick", dest="profile")
+    ap.add_argument("--full", action="store_const", const="full", dest="profile")
+    ap.add_argument("--targets", default=",".join(ALL_TARGETS),
+                    help=f"comma list of {ALL_TARGETS} (ceilings and inline encode always run)")
+    ap.add_argument("--scenarios", default="1,2,3,4,5")
+    ap.add_argument("--model-id", help="embedding model folder (default: bundled all-MiniLM-L6-v2)")
+    ap.add_argument("--onnx-backend-name", default="onnx", help="embedops --backend value for ONNX Runtime")
+    ap.add_argument("--embedops-arg", action="append", dest="embedops_args", default=[],
+                    help="extra argument for embedops-server (repeatable)")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--soak", type=float, metavar="SECONDS", help="RSS soak of embedops instead of scenarios")
+    ap.add_argument("--pyspy", action="store_true",
+                    help="profile the embedops server with py-spy during scenario 1 and 2 (writes top frames)")
+    ap.add_argument("--gpu", action="store_true", help="the CUDA profile (see bench/gpu.py)")
+    args = ap.parse_args(argv)
+    args.targets = [t for t in args.targets.split(",") if t]
+    args.scenarios = [int(s) for s in args.scenarios.split(",") if s]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+
+    if args.gpu:
+        from .gpu import run_gpu
+
+        res = run_gpu(args)
+        name = f"gpu-{stamp}.json"
+    elif args.soak:
+        from .soak import run_soak
+
+        res = run_soak(args)
+        name = f"soak-{stamp}.json"
+    else:
+        runner = Runner(args)
+        if args.pyspy:
+            from .profile import attach_pyspy
+
+            attach_pyspy(runner)
+        res = runner.run()
+        name = f"bench-{stamp}.json"
+        print(report.table(res))
+        if not args.no_plots:
+            for p in report.plots(res, out, stamp):
+                log("plot:", p)
+    (out / name).write_text(json.dumps(res, indent=1, default=str))
+    (out / "latest.json").write_text(json.dumps(res, indent=1, default=str))
+    log("results:", out / name)
+    return 0
