@@ -15,7 +15,7 @@ from typing import Any
 # Below this padded size a batch is dominated by fixed per-forward overhead, so padding waste is irrelevant.
 SMALL_BATCH_TOKENS = 512
 # Otherwise an entry joins only if the batch stays at least this efficient (real / padded tokens).
-MIN_EFFICIENCY = 0.6
+MIN_EFFICIENCY = 0.8
 
 
 class Entry:

@@ -25,7 +25,7 @@ def _stats(st: AppState) -> EngineStats:
     m = st.metrics
     return EngineStats(
         on_batch=lambda size, tokens: (m.batch_size.observe(size), m.batch_tokens.observe(tokens)),
-        on_dropped=lambda n: m.c.inc("te_request_failure", n, err="dropped"),
+        on_dropped=lambda n: m.c.inc("te_queue_dropped_inputs", n),
         on_input_length=m.input_length.observe,
     )
 

@@ -60,6 +60,7 @@ class Metrics:
             ("te_embed_success", "Inputs embedded successfully"),
             ("te_predict_count", "Inputs received by the predict and rerank routes"),
             ("te_predict_success", "Predict and rerank inputs scored successfully"),
+            ("te_queue_dropped_inputs", "Queued inputs dropped because their client went away (embedops)"),
         ]:
             self.c.declare(name, help_)
         r = self.registry

@@ -98,7 +98,7 @@ class AppState:
             if not fut.done():
                 req.cancelled = True  # the batcher drops its queued entries
                 fut.cancel()
-                self.metrics.c.inc("te_request_failure", n, err="dropped")
+                self.metrics.c.inc("te_request_failure", err="dropped")
                 raise asyncio.CancelledError()
             return fut.result(), req
         finally:
