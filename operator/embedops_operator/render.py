@@ -16,6 +16,7 @@ from . import spec as S
 
 MANAGER = "embedops"
 SERVER_PORT = 8080
+GRACE_MARGIN = 30  # seconds of the grace period left for the server to finish after the preStop sleep
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -197,6 +198,10 @@ def _args(spec: S.EmbeddingServiceSpec) -> list[str]:
              "--auto-truncate", "true" if b.auto_truncate else "false"]
     if b.max_batch_requests:
         args += ["--max-batch-requests", str(b.max_batch_requests)]
+    if spec.accelerator.cpu:  # intra-op threads match the CPU limit
+        args += ["--num-threads", str(spec.accelerator.cpu.cores)]
+    # SIGTERM arrives after the preStop sleep; in-flight requests get the rest of the grace period
+    args += ["--graceful-shutdown-timeout", str(GRACE_MARGIN - 5)]
     if m.pooling:
         args += ["--pooling", m.pooling]
     if m.prompts and m.prompts.default_prompt_name:
@@ -310,7 +315,7 @@ def pod_template(name: str, spec: S.EmbeddingServiceSpec, options: Options) -> d
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": spec.drain_seconds + 30,
+        "terminationGracePeriodSeconds": spec.drain_seconds + GRACE_MARGIN,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],

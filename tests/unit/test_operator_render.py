@@ -68,6 +68,7 @@ def test_cpu_nfd_selectors_threads_and_surge():
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == env["ORT_NUM_THREADS"] == "6"
     assert arg(c, "--dtype") == "float32"
+    assert arg(c, "--num-threads") == "6"
     assert "tolerations" not in pod
     assert by_kind(out)["Deployment"]["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     assert not any(v["name"] == "dshm" for v in pod["volumes"])
@@ -124,6 +125,8 @@ def test_server_flags_follow_the_tei_contract():
     assert arg(c, "--served-model-name") == "bge-m3"
     assert arg(c, "--default-prompt-name") == "query"
     assert c["args"][-1] == "--json-output"
+    assert arg(c, "--graceful-shutdown-timeout") == "25"
+    assert "--num-threads" not in c["args"]
     api_key = next(e for e in c["env"] if e["name"] == "API_KEY")
     assert api_key["valueFrom"] == {"secretKeyRef": {"name": "key", "key": "token"}}
 
@@ -401,3 +404,16 @@ def test_cli_render_refuses_invalid_manifest():
     assert res.returncode == 1
     assert "accelerator: set exactly one of mig, gpu or cpu" in res.stderr
     assert res.stdout == ""
+
+
+@pytest.mark.parametrize("name", EXAMPLE_FILES)
+def test_rendered_container_parses_with_the_server_cli(name):
+    """The contract with embedops-server: every rendered flag and env value is accepted by its parser."""
+    server_cli = pytest.importorskip("embedops_server.cli")
+    c = container(R.render(example(name)))
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    env["API_KEY"] = "secret"  # from the Secret at runtime
+    settings = server_cli.parse_args(c["args"], environ=env)
+    assert settings.port == 8080 and settings.hostname == "0.0.0.0" and settings.json_output is True
+    assert settings.model_id == arg(c, "--model-id")
+    assert settings.max_batch_tokens == int(arg(c, "--max-batch-tokens"))
