@@ -166,3 +166,39 @@ def test_recompute_is_stable_and_keeps_transition_times():
     third = compute(spec, ST.Observed(deployment=deployment(replicas=1, ready=0, updated=1)), status=first, now=later)
     t = {c["type"]: c["lastTransitionTime"] for c in third["conditions"]}
     assert t["Ready"] == "2026-01-01T12:05:00Z" and t["Stalled"] == "2026-01-01T12:00:00Z"
+
+
+def kstatus_binary():
+    import os
+    from pathlib import Path
+    cache = Path(os.environ.get("EMBEDOPS_CACHE", Path.home() / ".cache" / "embedops")) / "bin"
+    found = [p for p in sorted(cache.glob("kstatus-*/kstatus")) if os.access(p, os.X_OK)]
+    return str(found[-1]) if found else None
+
+
+def test_kstatus_reads_our_status_like_flux_does():
+    """The real kstatus library (cli-utils, what Flux health checks use) on computed statuses."""
+    import json
+    import subprocess
+
+    import pytest
+    binary = kstatus_binary()
+    if not binary:
+        pytest.skip("kstatus not built (tests/cluster/build.sh)")
+    since = (NOW - dt.timedelta(seconds=90)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    cases = {
+        "ready": (ST.Observed(deployment=deployment(replicas=1, ready=1, updated=1)), 3, "Current"),
+        "creating": (ST.Observed(), 3, "InProgress"),
+        "stalled": (ST.Observed(deployment=deployment(replicas=1, ready=0, updated=1),
+                                pods=[pod(scheduled=("Insufficient nvidia.com/mig-1g.10gb", since))]), 3, "Failed"),
+        "stale": (ST.Observed(deployment=deployment(replicas=1, ready=1, updated=1)), 4, "InProgress"),
+    }
+    objs = []
+    for name, (obs, generation, _) in cases.items():
+        res = defaulted(es(MIG, name=name, generation=3))
+        res["status"] = ST.normalized(ST.compute(res, obs, now=NOW, stall_after=60))
+        res["metadata"]["generation"] = generation  # "stale": the spec changed after the status was written
+        objs.append(res)
+    out = subprocess.run([binary], input=json.dumps(objs), capture_output=True, text=True, check=True)
+    got = {json.loads(line)["name"]: json.loads(line)["status"] for line in out.stdout.splitlines()}
+    assert got == {name: want for name, (_, _, want) in cases.items()}
