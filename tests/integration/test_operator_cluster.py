@@ -50,6 +50,16 @@ def kubectl_binary() -> str | None:
     return shutil.which("kubectl")
 
 
+def kstatus_of(obj: dict) -> str | None:
+    """The cli-utils kstatus verdict (what Flux health checks use), when tests/cluster built the tool."""
+    cache = Path(os.environ.get("EMBEDOPS_CACHE", Path.home() / ".cache" / "embedops")) / "bin"
+    found = [p for p in sorted(cache.glob("kstatus-*/kstatus")) if os.access(p, os.X_OK)]
+    if not found:
+        return None
+    out = subprocess.run([str(found[-1])], input=json.dumps(obj), capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[0])["status"]
+
+
 def wait_for(what: str, fn, timeout: float = 60, interval: float = 0.5):
     deadline = time.monotonic() + timeout
     last = None
@@ -230,6 +240,7 @@ def test_apply_creates_owned_children_and_becomes_ready(ctx, operator):
     assert st["endpoints"]["openai"] == f"http://minilm.{NS}.svc.cluster.local/v1"
     conds = {c["type"]: c["status"] for c in st["conditions"]}
     assert conds["Reconciling"] == "False" and conds["Stalled"] == "False"
+    assert kstatus_of(es) in ("Current", None)
     for obj in (ctx.deployment("minilm"), ctx.core.read_namespaced_service("minilm", NS)):
         refs = obj.metadata.owner_references
         assert len(refs) == 1 and refs[0].uid == uid and refs[0].controller is True and refs[0].kind == \
@@ -339,6 +350,7 @@ def test_mig_request_without_a_free_slice_is_stalled(ctx, operator):
     stalled = {c["type"]: c for c in es["status"]["conditions"]}["Stalled"]
     assert stalled["reason"] == "InsufficientAccelerator"
     assert "nvidia.com/mig-1g.10gb" in stalled["message"]
+    assert kstatus_of(es) in ("Failed", None)
     ready = {c["type"]: c for c in es["status"]["conditions"]}["Ready"]
     assert ready["status"] == "False" and ready["reason"] == "InsufficientAccelerator"
     ctx.kubectl("wait", "--for=condition=Stalled", "embsvc/greedy", "-n", NS, "--timeout=30s")
