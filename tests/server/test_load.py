@@ -1,0 +1,139 @@
+"""Backpressure, over-long inputs, client disconnects and SIGTERM under load (bounded in count and time)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.models import minilm_dir
+
+from .conftest import cosine, free_port, run_server, wait_healthy
+
+LONG = "Embeddings map sentences to vectors so similar meanings land close together. " * 20  # > 256 tokens
+
+
+def _metric(url, name):
+    text = httpx.get(url + "/metrics").text
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_backpressure_429_while_admitted_work_completes(st_model):
+    with run_server(model_id=str(minilm_dir()), backend="torch", max_concurrent_requests=8,
+                    max_client_batch_size=8, max_batch_requests=2) as (url, st):
+        texts = [LONG] * 4
+
+        async def go():
+            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=40)) as c:
+                return await asyncio.gather(*[c.post(url + "/embed", json={"inputs": texts}) for _ in range(24)])
+
+        t0 = time.time()
+        rs = asyncio.run(go())
+        codes = [r.status_code for r in rs]
+        ok = [r for r in rs if r.status_code == 200]
+        busy = [r for r in rs if r.status_code == 429]
+        assert len(ok) + len(busy) == len(rs), codes
+        assert ok and busy, codes
+        for r in busy:
+            assert r.json() == {"error": "Model is overloaded", "error_type": "Overloaded"}
+            assert int(r.headers["retry-after"]) >= 1
+        ref = st_model.encode(texts[:1], normalize_embeddings=True)
+        for r in ok:  # admitted work completed, correctly
+            assert cosine(np.array(r.json()), ref).min() >= 0.9999
+        assert time.time() - t0 < 60
+        assert st.service.engine.in_flight == 0
+        assert 'te_request_failure{err="overloaded"}' in httpx.get(url + "/metrics").text
+        assert httpx.post(url + "/embed", json={"inputs": "after the storm"}).status_code == 200
+
+
+def test_input_longer_than_budget_does_not_hang():
+    # budget (64) below the model's 256: max input length is clamped, so nothing can wait forever (TEI #723)
+    with run_server(model_id=str(minilm_dir()), backend="torch", max_batch_tokens=64) as (url, st):
+        assert httpx.get(url + "/info").json()["max_input_length"] == 64
+        r = httpx.post(url + "/embed", json={"inputs": LONG, "truncate": False}, timeout=10)
+        assert r.status_code == 422 and "less than 64 tokens" in r.json()["error"]
+        r = httpx.post(url + "/embed", json={"inputs": [LONG, LONG, "short"]}, timeout=10)
+        assert r.status_code == 200 and len(r.json()) == 3
+    # with auto-truncate off, the same budget is refused at startup instead of hanging later
+    with run_server(wait=False, model_id=str(minilm_dir()), backend="torch", max_batch_tokens=64,
+                    auto_truncate=False) as (url, st):
+        deadline = time.time() + 60
+        while st.load_error is None and time.time() < deadline:
+            time.sleep(0.1)
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and "--max-batch-tokens" in r.json()["error"]
+
+
+def test_client_disconnect_drops_queued_work():
+    with run_server(model_id=str(minilm_dir()), backend="torch", max_batch_requests=1,
+                    max_client_batch_size=32) as (url, st):
+
+        async def go():
+            async with httpx.AsyncClient(timeout=60) as c:
+                keep = asyncio.create_task(c.post(url + "/embed", json={"inputs": [LONG] * 12}))
+                await asyncio.sleep(0.1)
+                with pytest.raises(httpx.TimeoutException):
+                    async with httpx.AsyncClient(timeout=0.3) as c2:
+                        await c2.post(url + "/embed", json={"inputs": [LONG + " other"] * 32})
+                return await keep
+
+        r = asyncio.run(go())
+        assert r.status_code == 200 and len(r.json()) == 12
+        deadline = time.time() + 30
+        while st.service.engine.in_flight and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        batches = _metric(url, "te_batch_next_size_count")
+        dropped = _metric(url, "te_queue_dropped_inputs")
+        assert dropped >= 16, dropped  # most of the abandoned request never ran
+        assert batches <= 12 + 32 - dropped + 1
+        assert 'te_request_failure{err="dropped"} 1.0' in httpx.get(url + "/metrics").text
+
+
+def test_sigterm_under_load_loses_no_admitted_request(tmp_path):
+    port = free_port()
+    env = dict(os.environ, API_KEY="topsecret-should-not-appear", PORT=str(port), MODEL_ID=str(minilm_dir()),
+               HOSTNAME="pod-name-7f9c", NUM_THREADS="1", TOKENIZATION_WORKERS="1", MAX_BATCH_REQUESTS="4",
+               PYTHONPATH=os.pathsep.join(["server", "."]))
+    log = tmp_path / "server.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "embedops_server.cli", "--backend", "torch",
+                                 "--hostname", "127.0.0.1", "--graceful-shutdown-timeout", "60"],
+                                env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
+    url = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": "Bearer topsecret-should-not-appear"}
+    try:
+        wait_healthy(url, timeout=180)
+
+        async def go():
+            async with httpx.AsyncClient(timeout=120, headers=auth) as c:
+                tasks = [asyncio.create_task(c.post(url + "/embed", json={"inputs": [LONG] * 8})) for _ in range(10)]
+                await asyncio.sleep(0.5)  # all sent and admitted; most still queued
+                proc.send_signal(signal.SIGTERM)
+                t_sig = time.time()
+                out = await asyncio.gather(*tasks, return_exceptions=True)
+                return out, time.time() - t_sig
+
+        rs, drain_s = asyncio.run(go())
+        assert drain_s > 0.3, drain_s  # work really was in flight when the signal came
+        codes = [r.status_code if isinstance(r, httpx.Response) else repr(r) for r in rs]
+        assert codes == [200] * 10, codes
+        assert all(len(r.json()) == 8 for r in rs)
+        # uvicorn re-raises the captured SIGTERM after its graceful shutdown, so -15 is a clean exit here
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "topsecret" not in text
+    assert "draining" in text and "Finished server process" in text
