@@ -269,10 +269,8 @@ class EmbeddingServiceSpec(Model):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, json_schema_extra={
         "x-kubernetes-validations": [
             cel("!has(self.model.maxInputLength) || self.batching.maxBatchTokens >= self.model.maxInputLength",
+                # a static message: the API server's cost estimator refuses string(int) concatenation here
                 "batching.maxBatchTokens must be at least model.maxInputLength (the longest accepted input)",
-                message_expression="'batching.maxBatchTokens (' + string(self.batching.maxBatchTokens) + "
-                                   "') must be at least model.maxInputLength (' + string(self.model.maxInputLength) + "
-                                   "'), the longest accepted input'",
                 reason="FieldValueInvalid"),
             cel("!has(self.accelerator.cpu) || !has(self.model.dtype) || self.model.dtype != 'float16'",
                 "model.dtype float16 is not supported on CPU; use float32 or bfloat16"),
