@@ -39,8 +39,8 @@ def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
     device = s.device or ("cuda" if s.backend in ("auto", "torch") and _cuda_available() else "cpu")
     kind = s.backend
     if kind == "auto":
-        if device.startswith("cuda"):
-            kind = "torch"
+        if device.startswith("cuda") or s.dtype not in (None, "float32"):
+            kind = "torch"  # ONNX Runtime here runs float32 only
         elif info.onnx_path is not None or info.has_torch_weights:
             kind = "onnxruntime"
         else:
@@ -67,7 +67,7 @@ def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
 
 def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
     t0 = time.perf_counter()
-    info = load_model_info(s.model_id, s.pooling)
+    info = load_model_info(s.model_id, s.pooling, s.revision)
     max_len = info.max_input_length
     if max_len > s.max_batch_tokens:
         # TEI issue 723: an input longer than the budget could never be batched and hung the queue.

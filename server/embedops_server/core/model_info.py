@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,12 +71,34 @@ def find_onnx(path: Path) -> Path | None:
     return None
 
 
-def load_model_info(path: str | Path, pooling: str | None = None) -> ModelInfo:
-    path = Path(path)
+def resolve_model_path(model_id: str, revision: str | None = None) -> Path:
+    """A local folder as is; a hub id from the Hugging Face cache (the operator's download init container
+    fills $HF_HOME), downloading only when the hub is not marked offline."""
+    path = Path(model_id)
+    if path.is_dir():
+        return path
+    if "/" not in model_id or model_id.startswith(("/", ".")):
+        raise ModelError(f"model {model_id} is not a local folder")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:
+        raise ModelError(f"model {model_id} is not a local folder and huggingface_hub is missing") from e
+    rev = None if revision in (None, "", "main") else revision
+    try:
+        return Path(snapshot_download(model_id, revision=rev, local_files_only=True))
+    except Exception as cached_error:
+        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+            raise ModelError(f"model {model_id} is not in the Hugging Face cache: {cached_error}") from None
+    try:
+        return Path(snapshot_download(model_id, revision=rev))
+    except Exception as e:
+        raise ModelError(f"model {model_id} could not be found locally or downloaded: {e}") from None
+
+
+def load_model_info(path: str | Path, pooling: str | None = None, revision: str | None = None) -> ModelInfo:
+    path = resolve_model_path(str(path), revision)
     if not path.is_dir():
-        raise ModelError(
-            f"model {path} is not a local folder (no model hub is reachable from this server)"
-        )
+        raise ModelError(f"model {path} is not a local folder")
     if not (path / "tokenizer.json").exists():
         raise ModelError(f"{path} has no tokenizer.json (a fast tokenizer is required)")
     config = _read_json(path / "config.json")
