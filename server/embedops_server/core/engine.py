@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -83,7 +82,12 @@ class Engine:
         self.stats = stats or EngineStats()
         self.in_flight = 0  # admitted inputs not yet answered; touched only on the event loop
         self.draining = False
-        self._ready_batches: queue.Queue = queue.Queue(maxsize=1)  # one batch of look-ahead
+        # One batch of look-ahead: while the inference thread is busy, the batcher forms and pads the next
+        # batch into this slot. When idle, the inference thread forms its own batch (one thread hop fewer
+        # at low load). Both coordinate on the queue's condition variable.
+        self._cv = self.queue.cv
+        self._slot: tuple | None = None
+        self._busy = False
         self._throughput = 0.0  # inputs/s, exponential moving average, for Retry-After
         self._stop = False
         self._threads = [
@@ -132,20 +136,56 @@ class Engine:
 
     # ---- batcher thread ----------------------------------------------------------------------
     def _batcher(self) -> None:
-        while not self._stop:
-            entries, dropped = self.queue.next_batch(timeout=0.5)
-            if dropped:
-                self.stats.on_dropped(len(dropped))
-            if not entries:
-                continue
-            try:
-                batch = self._build(entries)
-            except Exception as e:  # never lose the entries silently
-                log.exception("building a batch failed")
-                self._fail_entries(entries, EngineError(BACKEND, f"batch assembly failed: {e}"))
-                continue
-            self.stats.on_batch(len(entries), int(batch.lengths[: len(entries)].sum()))
-            self._ready_batches.put((entries, batch, time.perf_counter()))
+        cv, q = self._cv, self.queue
+        while True:
+            with cv:
+                while not self._stop and not (self._busy and self._slot is None and len(q)):
+                    cv.wait()
+                if self._stop:
+                    return
+                entries, dropped = q.form()
+            prepared = self._prepare(entries, dropped)
+            if prepared is not None:
+                with cv:
+                    self._slot = prepared
+                    cv.notify_all()
+
+    def _prepare(self, entries: list[Entry], dropped: list[Entry]):
+        if dropped:
+            self.stats.on_dropped(len(dropped))
+        if not entries:
+            return None
+        try:
+            batch = self._build(entries)
+        except Exception as e:  # never lose the entries silently
+            log.exception("building a batch failed")
+            self._fail_entries(entries, EngineError(BACKEND, f"batch assembly failed: {e}"))
+            return None
+        self.stats.on_batch(len(entries), int(batch.lengths[: len(entries)].sum()))
+        return entries, batch
+
+    def _next(self):
+        """The look-ahead batch if one is ready, else form one here (blocking until work arrives)."""
+        cv, q = self._cv, self.queue
+        while True:
+            with cv:
+                while self._slot is None and not len(q) and not self._stop:
+                    cv.wait()
+                if self._stop:
+                    return None
+                if self._slot is not None:
+                    item, self._slot = self._slot, None
+                    self._busy = True
+                    cv.notify_all()
+                    return item
+                entries, dropped = q.form()
+                self._busy = True
+                cv.notify_all()  # the batcher may start on the next batch now
+            item = self._prepare(entries, dropped)
+            if item is not None:
+                return item
+            with cv:
+                self._busy = False
 
     def _build(self, entries: list[Entry]) -> Batch:
         n = len(entries)
@@ -168,18 +208,22 @@ class Engine:
     # ---- inference thread --------------------------------------------------------------------
     def _inference(self) -> None:
         while True:
-            item = self._ready_batches.get()
+            item = self._next()
             if item is None:
                 return
-            entries, batch, t_formed = item
+            entries, batch = item
             t0 = time.perf_counter()
             try:
                 out = self.backend.forward(batch)
             except Exception as e:
                 log.exception("forward pass failed")
                 self._fail_entries(entries, EngineError(BACKEND, f"inference failed: {e}"))
+                with self._cv:
+                    self._busy = False
                 continue
             t1 = time.perf_counter()
+            with self._cv:
+                self._busy = False
             finished = []
             for r, e in enumerate(entries):
                 req = e.request
@@ -212,9 +256,9 @@ class Engine:
         self.backend.forward(batch)
 
     def close(self) -> None:
-        self._stop = True
-        self.queue.close()
-        self._ready_batches.put(None)
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
         self.tokenizers.close()
 
 

@@ -38,34 +38,28 @@ class BatchQueue:
         self._fifo: deque[Entry] = deque()  # arrival order (taken entries are removed lazily)
         self._by_len: list[tuple[int, int, Entry]] = []  # sorted by (length, seq)
         self._count = itertools.count()
-        self._cv = threading.Condition()
-        self._closed = False
+        self.cv = threading.Condition()
 
     def __len__(self) -> int:
         return len(self._by_len)
 
     def put_many(self, entries: list[Entry]) -> None:
-        with self._cv:
+        with self.cv:
             for e in entries:
                 e.seq = next(self._count)
                 self._fifo.append(e)
                 bisect.insort(self._by_len, (e.length, e.seq, e))
-            self._cv.notify()
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
+            self.cv.notify_all()
 
     def next_batch(self, timeout: float | None = None) -> tuple[list[Entry], list[Entry]]:
         """Block until work is queued; return (batch, dropped) where dropped are cancelled entries skipped."""
-        with self._cv:
-            while not self._by_len and not self._closed:
-                if not self._cv.wait(timeout):
-                    return [], []
-            return self._form()
+        with self.cv:
+            if not self._by_len and not self.cv.wait_for(lambda: self._by_len, timeout):
+                return [], []
+            return self.form()
 
-    def _form(self) -> tuple[list[Entry], list[Entry]]:
+    def form(self) -> tuple[list[Entry], list[Entry]]:
+        """Form the next batch now; the caller holds `cv`."""
         dropped = self._purge_cancelled()
         if not self._by_len:
             return [], dropped
