@@ -216,6 +216,18 @@ def time_st(st: STEncode, batches: Sequence[Sequence], token_counts: Sequence[in
                          percentile(lat, 99) * 1000)
 
 
+class Configured:
+    """A forward pinned to one thread setting (torch's thread count is per process: set before each call)."""
+
+    def __init__(self, inner, threads: int):
+        self.inner, self.threads = inner, threads
+        self.config = f"threads={threads}"
+
+    def __call__(self, feed):
+        self.inner.threads = self.threads
+        return self.inner(feed)
+
+
 def calibrate(make: Callable[[dict], Callable], configs: Sequence[dict], tokenize: Tokenize,
               probes: Sequence[Sequence], rounds: int = 2) -> tuple[Callable, dict, dict]:
     """Pick the fastest thread configuration of a raw forward on this machine, now.

@@ -75,11 +75,13 @@ class Runner:
         self.rerank_dir = None
         self.rss: dict[str, dict] = {}
         self.meta: dict = {}
+        self.round = 0
 
     # ------------------------------------------------------------------ servers
     def start_targets(self, names: list[str], rerank: bool) -> None:
         from .targets import embedops_target, infinity_target, naive_target
 
+        pending = []
         for name in names:
             try:
                 if name.startswith("embedops-"):
@@ -105,14 +107,31 @@ class Runner:
                 else:
                     raise ValueError(f"unknown target {name}")
                 log(f"starting {t.name}: {' '.join(t.server.argv)}")
-                t.server.start()
-                log(f"{t.name} up in {t.server.startup_s:.1f}s, RSS {t.server.rss_mb():.0f} MB")
-                self.targets[t.name + ("/rerank" if rerank and name.startswith("embedops") else "")] = t
-                self.meta.setdefault("startup_s", {})[t.name] = round(t.server.startup_s, 2)
+                pending.append((name, t))
             except Exception as e:
                 msg = f"{type(e).__name__}: {e}"
                 log(f"{name} could not start: {msg[:2000]}")
                 self.errors[name + ("/rerank" if rerank else "")] = msg[:4000]
+        # start them side by side (startup is mostly waiting on imports and model loading)
+        from concurrent.futures import ThreadPoolExecutor
+
+        def start(item):
+            name, t = item
+            try:
+                t.server.start()
+                return name, t, None
+            except Exception as e:
+                return name, t, f"{type(e).__name__}: {e}"
+
+        with ThreadPoolExecutor(max(1, len(pending))) as ex:
+            for name, t, err in ex.map(start, pending):
+                if err:
+                    log(f"{name} could not start: {err[:2000]}")
+                    self.errors[name + ("/rerank" if rerank else "")] = err[:4000]
+                    continue
+                log(f"{t.name} up in {t.server.startup_s:.1f}s, RSS {t.server.rss_mb():.0f} MB")
+                self.targets[t.name + ("/rerank" if rerank and name.startswith("embedops") else "")] = t
+                self.meta.setdefault("startup_s", {})[t.name] = round(t.server.startup_s, 2)
 
     def stop_target(self, key: str) -> None:
         t = self.targets.pop(key, None)
@@ -130,7 +149,7 @@ class Runner:
 
     def http_targets(self, rerank: bool = False):
         keys = [k for k in self.targets if k.endswith("/rerank") == rerank
-                or (rerank and k in ("infinity", "naive"))]
+                or (rerank and k in ("infinity", "naive-encode"))]
         if rerank:
             keys = [k for k in keys if self.targets[k].rerank_url]
         # interleave: rotate the order every scenario so no target always runs first/last
@@ -141,69 +160,102 @@ class Runner:
     def add(self, scenario: str, target: str, kind: str, concurrency: int | None, stats: dict, **extra):
         row = {"scenario": scenario, "target": target, "kind": kind, "concurrency": concurrency,
                **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in stats.items()}, **extra}
+        row["round"] = self.round
         self.rows.append(row)
         p = lambda k: row.get(k, float("nan"))
         log(f"  {scenario:<10} {target:<28} c={concurrency!s:<3} p50={p('p50_ms'):.1f}ms "
             f"p99={p('p99_ms'):.1f}ms req/s={p('req_s'):.1f} texts/s={p('texts_s'):.1f} "
-            f"tok/s={p('tokens_s'):.0f} err={row.get('errors', 0)}")
+            f"tok/s={p('tokens_s'):.0f} err={row.get('errors', 0)}"
+            + (f" batch={row['avg_batch']:.1f}" if "avg_batch" in row else "")
+            + (f" [{row['config']}]" if row.get("config") else ""))
 
     def http(self, scenario: str, key: str, t, reqs: list[Request], concurrency: int, *,
              url: str, check, duration_s: float, max_requests: int, warmup: int | None = None):
+        before = report.batch_counters(t.server.get("/metrics")) if key.startswith("embedops") else None
         samples, wall = run_load_sync(url, reqs, concurrency=concurrency, max_requests=max_requests,
                                       duration_s=duration_s, check=check,
                                       warmup=concurrency if warmup is None else warmup,
                                       request_timeout_s=120, drain_s=120)
         st = summarize(samples, wall)
-        self.add(scenario, key, "http", concurrency, st.as_dict())
+        extra = {}
+        if before is not None:  # the server's own view: inputs and real tokens per formed batch
+            after = report.batch_counters(t.server.get("/metrics"))
+            if after and before and after["batches"] > before["batches"]:
+                nb = after["batches"] - before["batches"]
+                extra = {"avg_batch": (after["inputs"] - before["inputs"]) / nb,
+                         "avg_batch_tokens": (after["tokens"] - before["tokens"]) / nb}
+        self.add(scenario, key, "http", concurrency, st.as_dict(), **extra)
         self.record_rss(t)
         return st
 
     def ceilings(self):
+        """Raw forwards of the embedding model: ONNX Runtime sessions at each thread setting, one torch model."""
         if not hasattr(self, "_ceil"):
-            from .ceiling import OrtForward, STEncode, Tokenize, TorchForward, server_onnx_file
+            from .ceiling import STEncode, Tokenize, server_onnx_file
             from .models import minilm_onnx_file
 
-            c = {"tokenize": Tokenize(self.tok)}
             onnx = server_onnx_file(self.model_dir) or minilm_onnx_file()
             self.meta["ceiling_onnx_file"] = str(onnx)
-            c.update(self._calibrated(onnx, self.model_dir, rerank=False, tokenize=c["tokenize"],
-                                      probes=[[q] for q in self.w.short_queries[:8]] + [self.w.single_texts[:16]]))
-            c["st"] = STEncode(self.model_dir, threads=self.meta["ceiling_threads"]["torch"]["threads"])
-            self._ceil = c
+            self._ceil = self._forwards(onnx, self.model_dir, rerank=False)
+            self._ceil["tokenize"] = Tokenize(self.tok)
+            self._ceil["st"] = STEncode(self.model_dir)
         return self._ceil
 
-    def _calibrated(self, onnx, model_dir, *, rerank: bool, tokenize, probes) -> dict:
-        """ONNX Runtime and torch forwards at their fastest thread settings on this machine now."""
-        from .ceiling import OrtForward, TorchForward, calibrate, n_threads
+    def _forwards(self, onnx, model_dir, *, rerank: bool) -> dict:
+        from .ceiling import Configured, OrtForward, TorchForward, n_threads
 
         n = n_threads()
-        out, key = {}, "ceiling_threads" + ("_rerank" if rerank else "")
-        thr = self.meta.setdefault(key, {})
-        if onnx:
-            cfgs = [{"threads": n}, {"threads": n, "spinning": False}, {"threads": 1}] if n > 1 else [{"threads": 1}]
-            out["onnx"], thr["onnx"], thr["onnx_timings"] = calibrate(lambda c: OrtForward(onnx, **c), cfgs,
-                                                                      tokenize, probes)
-        cfgs = [{"threads": n}, {"threads": 1}] if n > 1 else [{"threads": 1}]
-        out["torch"], thr["torch"], thr["torch_timings"] = calibrate(
-            lambda c: TorchForward(model_dir, rerank=rerank, **c), cfgs, tokenize, probes)
-        log(f"ceiling thread settings: onnx {thr.get('onnx')}, torch {thr['torch']} ({thr})")
+        cfgs = [{"threads": n}, {"threads": n, "spinning": False}, {"threads": 1}] if n > 1 else [{"threads": 1}]
+        out = {"onnx_cfgs": [(c, OrtForward(onnx, **c)) for c in cfgs] if onnx else []}
+        t = TorchForward(model_dir, rerank=rerank)
+        out["torch_cfgs"] = [({"threads": k}, Configured(t, k)) for k in sorted({n, 1}, reverse=True)]
+        return out
+
+    def pick(self, fwd: dict, tokenize, probes, scenario: str) -> dict:
+        """Per scenario, the fastest thread setting of each backend on probes of that scenario's shape.
+
+        On a shared, oversubscribed CPU, N threads can be many times slower than one for small batches
+        (a barrier waits for a descheduled thread) and faster for big ones, so the ceiling is the best
+        setting for the batch composition at hand, measured now."""
+        from .ceiling import calibrate
+
+        out = {}
+        for b in ("onnx", "torch"):
+            cfgs = fwd.get(f"{b}_cfgs") or []
+            if not cfgs:
+                continue
+            if len(cfgs) == 1:
+                out[b] = cfgs[0][1]
+                continue
+            f, cfg, timings = calibrate(lambda c, d=dict((str(k), v) for k, v in cfgs): d[str(c)],
+                                        [c for c, _ in cfgs], tokenize, probes, rounds=1)
+            out[b] = f
+            self.meta.setdefault("ceiling_threads", {})[f"{scenario}/{b}"] = {"best": cfg, "s": timings}
+        log(f"  ceiling settings for {scenario}: " + ", ".join(
+            f"{b} {self.meta.get('ceiling_threads', {}).get(f'{scenario}/{b}', {}).get('best')}" for b in out))
         return out
 
     def ceiling(self, scenario: str, batches, counts, *, label: str, both: bool = True,
                 backends=("onnx", "torch"), st: bool = True, budget: float | None = None,
-                forwards=None, tokenize=None, max_iters: int = 10_000):
+                forwards=None, tokenize=None, max_iters: int = 10_000, probes=None):
         from .ceiling import time_batches, time_st
 
         c = forwards or self.ceilings()
         tokenize = tokenize or c["tokenize"]
         budget = budget or self.profile.ceiling_budget_s
+        probes = probes or [batches[0]]
+        chosen = self.pick(c, tokenize, probes, scenario)
         for b in backends:
+            if b not in chosen:
+                continue
             for inc in ((True, False) if both else (True,)):
-                r = time_batches(c[b], tokenize, batches, counts, include_tokenization=inc, budget_s=budget,
+                r = time_batches(chosen[b], tokenize, batches, counts, include_tokenization=inc, budget_s=budget,
                                  max_iters=max_iters)
                 name = f"ceiling-{b}" + ("" if inc else "-notok")
-                self.add(scenario, name, "ceiling", None, r.as_dict(), batch=label)
+                self.add(scenario, name, "ceiling", None, r.as_dict(), batch=label,
+                         config=getattr(chosen[b], "config", ""))
         if st and "st" in c:
+            c["st"].threads = getattr(chosen.get("torch"), "threads", c["st"].threads)
             r = time_st(c["st"], batches, counts, budget, max_iters=max_iters)
             self.add(scenario, "inline-encode", "inline", None, r.as_dict(), batch=label)
 
@@ -211,7 +263,8 @@ class Runner:
     def s1(self):
         log("scenario 1: online, one short query at a time (concurrency 1)")
         w, P = self.w, self.profile
-        self.ceiling("1-online", [[q] for q in w.short_queries], w.counts["short_queries"], label="1x16")
+        self.ceiling("1-online", [[q] for q in w.short_queries], w.counts["short_queries"], label="1x16",
+                     probes=[[q] for q in w.short_queries[:10]])
         for key, t in self.http_targets():
             reqs = [Request(t.embed_body([q]), 1, n) for q, n in zip(w.short_queries, w.counts["short_queries"])]
             self.http("1-online", key, t, reqs, 1, url=t.embed_url, check=t.embed_check,
@@ -235,7 +288,7 @@ class Runner:
         log("scenario 3: ingestion, 32 texts x 256 tokens per request, saturated")
         w, P = self.w, self.profile
         self.ceiling("3-ingest", w.ingest_batches, w.counts["ingest_batches"], label="32x256",
-                     both=True, max_iters=max(2, P.ingest_requests // 2))
+                     both=True, max_iters=P.heavy_ceiling_iters, probes=[w.ingest_batches[0][:8]])
         for key, t in self.http_targets():
             reqs = [Request(t.embed_body(b), len(b), n) for b, n in zip(w.ingest_batches, w.counts["ingest_batches"])]
             self.http("3-ingest", key, t, reqs, 2, url=t.embed_url, check=t.embed_check,
@@ -251,19 +304,15 @@ class Runner:
         counts = [pair_tok * len(ps) for ps in w.rerank_passages]
         real = [sum(len(e.ids) for e in self.tok.encode_batch(b)) for b in batches]
         self.meta["rerank_pair_tokens"] = {"expected": counts, "measured": real}
-        f = {"tokenize": Tokenize(self.tok, pairs=True)}
         try:
             onnx = server_onnx_file(self.rerank_dir)
-            self.ceilings()  # thread settings are calibrated once, on the embedding model
-            thr = self.meta["ceiling_threads"]
-            if onnx:
-                f["onnx"] = OrtForward(onnx, **thr["onnx"])
-            f["torch"] = TorchForward(self.rerank_dir, rerank=True, **thr["torch"])
+            f = self._forwards(onnx, self.rerank_dir, rerank=True)
+            f["tokenize"] = Tokenize(self.tok, pairs=True)
             from .ceiling import STEncode
 
-            f["st"] = STEncode(self.rerank_dir, rerank=True, threads=thr["torch"]["threads"])
+            f["st"] = STEncode(self.rerank_dir, rerank=True)
             self.ceiling("4-rerank", batches, real, label="50x287", both=P.both_tokenization,
-                         backends=[b for b in ("onnx", "torch") if b in f], forwards=f, max_iters=2)
+                         forwards=f, max_iters=P.heavy_ceiling_iters, probes=[batches[0][:12]])
         except Exception as e:
             self.errors["4-rerank ceiling"] = f"{type(e).__name__}: {e}"
             log("rerank ceiling failed:", e)
@@ -289,13 +338,13 @@ class Runner:
         uni = [self.gen.texts(32, mean) for _ in range(3)]
         # uniform-length ceiling at the mean length (same tokens per batch, no padding)
         self.ceiling("5-mixed", uni, [32 * mean] * len(uni), label=f"32x{mean} uniform", both=False,
-                     st=False, max_iters=6)
+                     st=False, max_iters=P.heavy_ceiling_iters + 1, probes=[uni[0][:8]])
         for r in self.rows[-2:]:
             r["target"] += "-uniform"
         # the same mixed texts in arrival order, padded to the longest (what FIFO batching pays)
         mixed = [texts[i:i + 32] for i in range(0, 32 * 3, 32)]
         self.ceiling("5-mixed", mixed, [sum(counts[i:i + 32]) for i in range(0, 96, 32)],
-                     label="32 mixed padded", both=False, st=False, max_iters=6)
+                     label="32 mixed padded", both=False, st=False, max_iters=P.heavy_ceiling_iters + 1, probes=[uni[0][:8]])
         for r in self.rows[-2:]:
             r["target"] += "-mixedpad"
         for key, t in self.http_targets():
@@ -314,7 +363,10 @@ class Runner:
         self.start_targets([n for n in self.args.targets], rerank=False)
         try:
             for i, fn in ((1, self.s1), (2, self.s2), (3, self.s3), (4, self.s4), (5, self.s5)):
-                if i in scen:
+                if i not in scen:
+                    continue
+                # rounds: ceiling and targets again, in rotated order; the report takes medians
+                for self.round in range(self.args.rounds if i in (1, 2) else 1):
                     try:
                         fn()
                     except Exception as e:
@@ -325,8 +377,10 @@ class Runner:
         finally:
             for key in list(self.targets):
                 self.stop_target(key)
-        self.meta.update(machine_after=machine_state(), total_s=round(time.time() - t0, 1))
-        return {"meta": self.meta, "rows": self.rows, "rss": self.rss, "errors": self.errors}
+        self.meta.update(machine_after=machine_state(), total_s=round(time.time() - t0, 1),
+                         rounds=self.args.rounds)
+        return {"meta": self.meta, "rows": report.median_rows(self.rows), "raw_rows": self.rows,
+                "rss": self.rss, "errors": self.errors}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--embedops-arg", action="append", dest="embedops_args", default=[],
                     help="extra argument for embedops-server (repeatable)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="repeat scenarios 1-2 (ceiling and every target, rotated) and report medians "
+                         "(default: 1 quick, 3 full)")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--soak", type=float, metavar="SECONDS", help="RSS soak of embedops instead of scenarios")
@@ -351,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", action="store_true", help="the CUDA profile (see bench/gpu.py)")
     args = ap.parse_args(argv)
     args.targets = [t for t in args.targets.split(",") if t]
+    if args.rounds is None:
+        args.rounds = 3 if args.profile == "full" else 1
     args.scenarios = [int(s) for s in args.scenarios.split(",") if s]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

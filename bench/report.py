@@ -62,7 +62,7 @@ def ratios(res: dict) -> list[dict]:
                 row["vs_ceiling"] = _ratio(er.get(m), c.get(m), better)
                 if s == "1-online":
                     row["over_ceiling_ms"] = er["p50_ms"] - c["p50_ms"]
-            for peer in ("infinity", "naive", "inline-encode"):
+            for peer in ("infinity", "naive-encode", "inline-encode"):
                 p = idx.get((s, peer))
                 if p and p.get(m) and not p.get("na"):
                     row[f"vs_{peer}"] = _ratio(er.get(m), p.get(m), better)
@@ -96,7 +96,9 @@ def table(res: dict) -> str:
         if r.get("na"):
             lines.append(f"{r['scenario']:<10} {r['target']:<26} {'':>3} n/a: {r['na']}")
             continue
-        note = r.get("batch", "")
+        note = r.get("batch", "") or (f"avg batch {r['avg_batch']:.1f}" if r.get("avg_batch") else "")
+        if r.get("config"):
+            note += f" [{r['config']}]"
         lines.append(
             f"{r['scenario']:<10} {_base(r['target']):<26} {r.get('concurrency') or '':>3} {_f(r.get('p50_ms')):>8} "
             f"{_f(r.get('p99_ms')):>8} {_f(r.get('req_s')):>8} {_f(r.get('texts_s')):>8} "
@@ -110,7 +112,7 @@ def table(res: dict) -> str:
         lines.append(
             f"{r['scenario']:<10} {r['target']:<15} {r['metric']:<9} {_f(r.get('value')):>9} "
             f"{_f(r.get('vs_ceiling'), '{:.2f}'):>9} {_f(r.get('vs_infinity'), '{:.2f}'):>10} "
-            f"{_f(r.get('vs_naive'), '{:.2f}'):>8} {_f(r.get('vs_inline-encode'), '{:.2f}'):>8} "
+            f"{_f(r.get('vs_naive-encode'), '{:.2f}'):>8} {_f(r.get('vs_inline-encode'), '{:.2f}'):>8} "
             f"{_f(r.get('p99_vs_infinity'), '{:.2f}'):>8} {_f(r.get('over_ceiling_ms'), '{:+.1f}'):>11}")
     if res.get("rss"):
         lines += ["", "peak RSS (MB): " + ", ".join(f"{k} {v['peak_rss_mb']:.0f}" + (
@@ -221,3 +223,40 @@ def _walk(d, prefix=""):
             yield from _walk(v, f"{prefix}{k}_".lower())
     else:
         yield prefix.rstrip("_"), d
+
+
+def batch_counters(metrics: str | None) -> dict | None:
+    """Totals of the server's batch histograms (te_batch_next_size / te_batch_next_tokens)."""
+    if not metrics:
+        return None
+    vals = {}
+    for line in metrics.splitlines():
+        if line.startswith(("te_batch_next_size_sum", "te_batch_next_size_count", "te_batch_next_tokens_sum")):
+            name, _, v = line.rpartition(" ")
+            vals[name.split("{")[0]] = float(v)
+    if "te_batch_next_size_count" not in vals:
+        return None
+    return {"batches": vals["te_batch_next_size_count"], "inputs": vals.get("te_batch_next_size_sum", 0.0),
+            "tokens": vals.get("te_batch_next_tokens_sum", 0.0)}
+
+
+def median_rows(rows: list[dict]) -> list[dict]:
+    """One row per (scenario, target): the median of each numeric field over rounds (n/a rows kept)."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["scenario"], r["target"]), []).append(r)
+    out = []
+    for (_s, _t), rs in groups.items():
+        if len(rs) == 1:
+            out.append(dict(rs[0], rounds=1))
+            continue
+        m = dict(rs[-1])
+        for k, v in rs[0].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("concurrency", "round"):
+                xs = sorted(x[k] for x in rs if isinstance(x.get(k), (int, float)) and not (
+                    isinstance(x.get(k), float) and math.isnan(x[k])))
+                if xs:
+                    m[k] = xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+        m["rounds"] = len(rs)
+        out.append(m)
+    return out

@@ -17,11 +17,13 @@ class Profile:
     rerank_requests: int       # scenario 4: requests per target
     mixed_duration_s: float    # scenario 5
     both_tokenization: bool = True  # ceilings with tokenization included AND excluded for 4/5 too
+    heavy_ceiling_iters: int = 3    # forwards timed per ceiling of scenarios 3-5 (seconds each on CPU)
 
 
 PROFILES = {
-    "quick": Profile("quick", duration_s=6, max_requests=3000, ceiling_budget_s=2.0, concurrencies=[16, 64],
-                     ingest_requests=6, rerank_requests=2, mixed_duration_s=8, both_tokenization=False),
+    "quick": Profile("quick", duration_s=3.5, max_requests=3000, ceiling_budget_s=1.5, concurrencies=[16, 64],
+                     ingest_requests=4, rerank_requests=1, mixed_duration_s=5, both_tokenization=False,
+                     heavy_ceiling_iters=1),
     "full": Profile("full", duration_s=30, max_requests=50_000, ceiling_budget_s=8.0,
                     concurrencies=[4, 16, 32, 64], ingest_requests=24, rerank_requests=10,
                     mixed_duration_s=40),

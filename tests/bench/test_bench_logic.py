@@ -184,3 +184,15 @@ def test_gpu_memory_parsers():
     assert report.gpu_memory_from_metrics("te_queue_size 1\n", json.dumps({"gpu": {"memory_mb": 512}})) == 512
     assert report.gpu_memory_from_metrics(None, None) is None
     assert math.isnan(report._ratio(None, 1, "higher"))
+
+
+def test_median_rows_and_batch_counters():
+    rows = [{"scenario": "2-c16", "target": "a", "req_s": v, "concurrency": 16, "round": i}
+            for i, v in enumerate([3.0, 1.0, 2.0])] + [{"scenario": "4-rerank", "target": "b", "na": "x"}]
+    m = {r["target"]: r for r in report.median_rows(rows)}
+    assert m["a"]["req_s"] == 2.0 and m["a"]["rounds"] == 3 and m["a"]["concurrency"] == 16
+    assert m["b"]["na"] == "x"
+    text = ('te_batch_next_size_sum 120.0\nte_batch_next_size_count 10.0\n'
+            'te_batch_next_tokens_sum 3840.0\nte_batch_next_size_bucket{le="1.0"} 2.0\n')
+    assert report.batch_counters(text) == {"batches": 10.0, "inputs": 120.0, "tokens": 3840.0}
+    assert report.batch_counters("other 1\n") is None
