@@ -42,9 +42,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, timeout: float = 180.0) -> None:
+def wait_healthy(url: str, timeout: float = 180.0, state=None) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
+        if state is not None and state.load_error:
+            raise RuntimeError(state.load_error)
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
@@ -71,7 +73,7 @@ def run_server(wait: bool = True, **kw):
     while not server.started:
         time.sleep(0.05)
     if wait:
-        wait_healthy(url)
+        wait_healthy(url, state=app.fastapi.state.embedops)
     try:
         yield url, app.fastapi.state.embedops
     finally:

@@ -156,6 +156,8 @@ def _max_input_length(path: Path, config: dict) -> int:
         # RoBERTa-style models reserve pad_token_id + 1 positions.
         if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
             mpe -= int(config.get("pad_token_id", 1)) + 1
+        elif config.get("model_type") == "mpnet":  # transformers hard-codes MPNet's padding_idx to 1
+            mpe -= 2
         return int(mpe)
     tok = _read_json(path / "tokenizer_config.json").get("model_max_length")
     if isinstance(tok, int) and tok < 1_000_000:
