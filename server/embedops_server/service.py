@@ -51,8 +51,14 @@ def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
             raise ModelError("the ONNX Runtime backend runs float32 (or --quantize int8)")
         from .backends.ort_backend import OrtBackend
 
-        return OrtBackend(info, threads=threads, quantize=s.quantize, cache=s.onnx_cache,
-                          int8_min_cosine=s.int8_min_cosine, tokenizer=tokenizer)
+        try:
+            return OrtBackend(info, threads=threads, quantize=s.quantize, cache=s.onnx_cache,
+                              int8_min_cosine=s.int8_min_cosine, tokenizer=tokenizer)
+        except Exception as e:
+            # auto only: an architecture the exporter cannot handle still serves, on torch.
+            if s.backend != "auto" or s.quantize or not info.has_torch_weights:
+                raise
+            log.warning("ONNX Runtime backend unavailable (%s); falling back to torch", e)
     if kind != "torch":
         raise ModelError(f"unknown backend {kind!r}")
     if s.quantize:

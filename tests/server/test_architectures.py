@@ -68,3 +68,17 @@ def test_architecture_matches_transformers(arch, arch_dirs):
         with torch.no_grad():
             h = model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state[0]
         assert cosine(vec, h.mean(0).numpy()) >= 0.9999, arch
+
+
+@pytest.mark.parametrize("arch", ["xlm-roberta", "distilbert", "modernbert"])
+def test_auto_backend_on_cpu_exports_to_onnx(arch, arch_dirs, tmp_path):
+    """--backend auto on CPU: ONNX Runtime with an export made at start (torch only if export fails)."""
+    d = arch_dirs[arch]
+    with run_server(model_id=str(d), onnx_cache=str(tmp_path)) as (url, st):
+        got = np.array(httpx.post(url + "/embed", json={"inputs": TEXTS[:3], "normalize": False}).json())
+        backend = st.service.backend.name
+    with run_server(model_id=str(d), backend="torch") as (url, st):
+        ref = np.array(httpx.post(url + "/embed", json={"inputs": TEXTS[:3], "normalize": False}).json())
+    print(arch, "auto backend:", backend)
+    assert backend == "onnxruntime", f"{arch}: ONNX export failed, fell back to {backend}"
+    assert cosine(got, ref).min() >= 0.9999
