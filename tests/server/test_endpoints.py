@@ -126,3 +126,13 @@ def test_openai_sdk_float_and_base64(minilm_torch, st_model):
     raw = httpx.post(minilm_torch + "/v1/embeddings", json={"input": "Hello world", "encoding_format": "base64"}).json()
     vec = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
     assert vec.shape == (384,) and cosine(vec, st_model.encode("Hello world")) >= 0.9999
+
+
+def test_root_and_invocations_route_by_task(minilm_torch, st_model):
+    for path in ("/", "/invocations"):
+        r = httpx.post(minilm_torch + path, json={"inputs": ["Hello world"]})
+        assert r.status_code == 200, r.text
+        assert cosine(r.json()[0], st_model.encode("Hello world")) >= 0.9999
+    r = httpx.post(minilm_torch + "/", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error_type"] == "Validation"
+    assert httpx.get(minilm_torch + "/").status_code == 200

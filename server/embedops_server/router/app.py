@@ -71,6 +71,21 @@ def create_app(settings: Settings, service=None) -> FastAPI:
         return Response(status_code=200)
 
     app.add_api_route("/ping", health, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/", health, methods=["GET"], include_in_schema=False)
+
+    async def by_task(request: Request):
+        """POST / and /invocations (SageMaker-style): the route that fits the model's task, as TEI does."""
+        from .schemas import EmbedAllRequest, EmbedRequest, PredictRequest, RerankRequest
+
+        task = st.svc().info.task
+        route, model = {"embedding": (routes_tei.embed, EmbedRequest),
+                        "sparse": (routes_tei.embed_sparse, EmbedAllRequest),
+                        "reranker": (routes_tei.rerank, RerankRequest),
+                        "classifier": (routes_tei.predict, PredictRequest)}[task]
+        return await route(request, model.model_validate_json(await request.body()))
+
+    for path in ("/", "/invocations"):
+        app.add_api_route(path, by_task, methods=["POST"], include_in_schema=False)
 
     @app.get("/metrics", tags=["Ops"], summary="Prometheus metrics (TEI te_* names)")
     async def metrics():

@@ -4,6 +4,7 @@ from __future__ import annotations
 import orjson
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -75,6 +76,13 @@ def install(app) -> None:
         if any(e.get("type") == "json_invalid" for e in errs):
             return error_response(request.url.path, 422, VALIDATION, "Input validation error: malformed JSON body")
         return error_response(request.url.path, 422, VALIDATION, _short(errs))
+
+    @app.exception_handler(ValidationError)
+    async def _pydantic(request: Request, exc: ValidationError):
+        _record(request, VALIDATION)
+        if any(e.get("type") == "json_invalid" for e in exc.errors()):
+            return error_response(request.url.path, 422, VALIDATION, "Input validation error: malformed JSON body")
+        return error_response(request.url.path, 422, VALIDATION, _short(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
