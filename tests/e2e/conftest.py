@@ -89,8 +89,13 @@ def operator(kube, embsvc_crd, third_party_crds, tmp_path_factory):
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     env = {**os.environ, "KUBECONFIG": kube.kubeconfig,
            "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "server"), str(REPO)])}
+    # Watches the e2e namespaces (a kopf glob), as a chart installed with watched namespaces would.
     argv = [sys.executable, "-m", "embedops_operator.cli", "run", "--liveness", "",
-            "--stall-after-seconds", os.environ.get("EMBEDOPS_E2E_STALL_AFTER", "10")]
+            "--namespace", os.environ.get("EMBEDOPS_E2E_WATCH", "e2e-*"),
+            "--stall-after-seconds", os.environ.get("EMBEDOPS_E2E_STALL_AFTER", "10"),
+            # Stalled for an unschedulable pod is decided on a reconcile after stall-after; with no
+            # further events that reconcile is the resync timer, so keep it short here.
+            "--resync-seconds", os.environ.get("EMBEDOPS_E2E_RESYNC", "5")]
     with open(log, "wb") as f:
         proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
     time.sleep(1.0)
@@ -130,15 +135,21 @@ def namespace(api):
 class EmbSvc:
     """Helpers around EmbeddingService objects in one namespace."""
 
-    def __init__(self, api, namespace):
+    def __init__(self, api, namespace, operator=None):
         from kubernetes import client
 
+        self.operator = operator
         self.ns = namespace
         self.co = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
         self.apps = client.AppsV1Api(api)
 
+    def check_operator(self):
+        if self.operator is not None and self.operator.poll() is not None:
+            pytest.fail(f"the operator exited with {self.operator.returncode}:\n{operator_log(self.operator)}")
+
     def get(self, name):
+        self.check_operator()
         return self.co.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
 
     def create(self, body):
@@ -170,7 +181,7 @@ class EmbSvc:
 
 @pytest.fixture
 def embsvc(api, namespace, operator):
-    return EmbSvc(api, namespace)
+    return EmbSvc(api, namespace, operator)
 
 
 def operator_log(operator) -> str:

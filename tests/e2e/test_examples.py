@@ -127,8 +127,13 @@ def test_examples_place_report_ready_and_kstatus_current(kube, embsvc, namespace
     for d in docs:
         if _accel(d) == "mig" and kube.local and not _fits_local_gpu(d):
             name = d["metadata"]["name"]
-            obj = wait_for(lambda: (o := embsvc.get(name)) and is_true(o, "Stalled") and o,
-                           timeout=120, what=f"{name} Stalled (no {d['spec']['accelerator']['mig']['profile']} slices)")
+            try:
+                obj = wait_for(lambda: (o := embsvc.get(name)) and is_true(o, "Stalled") and o,
+                               timeout=120, what=f"{name} Stalled (no {d['spec']['accelerator']['mig']['profile']} slices)")
+            except AssertionError as e:
+                pods = [(p.metadata.name, p.spec.node_name, [(c.type, c.reason, c.message) for c in p.status.conditions or []])
+                        for p in embsvc.pods(name)]
+                pytest.fail(f"{e}\nstatus: {embsvc.get(name).get('status')}\npods: {pods}\n{operator_log(operator)}")
             assert kstatus(obj)["status"] == "Failed"
 
 
