@@ -11,7 +11,8 @@ from starlette.responses import Response
 from ..core.errors import BACKEND, EMPTY, OVERLOADED, TOKENIZER, UNHEALTHY, VALIDATION, EngineError
 
 STATUS = {EMPTY: 400, VALIDATION: 422, TOKENIZER: 422, OVERLOADED: 429, BACKEND: 424, UNHEALTHY: 503,
-          "Unauthorized": 401, "PayloadTooLarge": 413, "NotFound": 404, "MethodNotAllowed": 405}
+          "Unauthorized": 401, "PayloadTooLarge": 413, "NotFound": 404, "MethodNotAllowed": 405,
+          "ClientClosedRequest": 499}  # 499: nginx's code; nobody reads it, the client is gone
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 413: "invalid_request_error",
                  422: "invalid_request_error", 429: "rate_limit_error", 424: "server_error", 503: "server_error"}
 OPENAI_PATHS = ("/v1/embeddings", "/embeddings")
@@ -61,7 +62,8 @@ def _record(request: Request, kind: str, message: str = "") -> None:
 def install(app) -> None:
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError):
-        _record(request, exc.kind, exc.message)
+        if exc.status != 499:
+            _record(request, exc.kind, exc.message)
         return error_response(request.url.path, exc.status, exc.kind, exc.message, exc.retry_after)
 
     @app.exception_handler(EngineError)

@@ -99,7 +99,7 @@ class AppState:
                 req.cancelled = True  # the batcher drops its queued entries
                 fut.cancel()
                 self.metrics.c.inc("te_request_failure", err="dropped")
-                raise asyncio.CancelledError()
+                raise ApiError("ClientClosedRequest", "client disconnected")
             return fut.result(), req
         finally:
             engine.release(n)
