@@ -84,13 +84,16 @@ def resolve_model_path(model_id: str, revision: str | None = None) -> Path:
     except ImportError as e:
         raise ModelError(f"model {model_id} is not a local folder and huggingface_hub is missing") from e
     rev = None if revision in (None, "", "main") else revision
+    # Read at call time (huggingface_hub freezes its constants at import).
+    home = os.environ.get("HF_HOME") or str(Path.home() / ".cache" / "huggingface")
+    cache = os.environ.get("HUGGINGFACE_HUB_CACHE") or os.environ.get("HF_HUB_CACHE") or str(Path(home) / "hub")
     try:
-        return Path(snapshot_download(model_id, revision=rev, local_files_only=True))
+        return Path(snapshot_download(model_id, revision=rev, local_files_only=True, cache_dir=cache))
     except Exception as cached_error:
         if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
             raise ModelError(f"model {model_id} is not in the Hugging Face cache: {cached_error}") from None
     try:
-        return Path(snapshot_download(model_id, revision=rev))
+        return Path(snapshot_download(model_id, revision=rev, cache_dir=cache))
     except Exception as e:
         raise ModelError(f"model {model_id} could not be found locally or downloaded: {e}") from None
 

@@ -39,11 +39,28 @@ def error_response(path: str, status: int, kind: str, message: str, retry_after:
                     media_type="application/json", headers=headers)
 
 
+_EXPECTED = {"inputs": "a string, a list of strings, or token ids", "input": "a string, a list of strings, or token ids",
+             "ids": "a list of token ids, or a list of such lists", "texts": "a list of strings",
+             "documents": "a list of strings or {\"text\": ...} objects"}
+
+
 def _short(errors: list) -> str:
+    """One readable line: pydantic lists every union branch it tried, which buries the point."""
+    fields: dict[str, list] = {}
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        fields.setdefault(loc[0] if loc else "", []).append((loc, e))
     parts = []
-    for e in errors[:3]:
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+    for name, errs in list(fields.items())[:3]:
+        loc, e = errs[0]
+        if not name:
+            parts.append("the body must be a JSON object (content-type: application/json)")
+        elif e.get("type") == "missing":
+            parts.append(f"`{name}` is required")
+        elif len(errs) > 1 or name in _EXPECTED and len(loc) > 1:
+            parts.append(f"`{name}` must be {_EXPECTED.get(name, 'of another type')}")
+        else:
+            parts.append(f"`{'.'.join(loc)}`: {e.get('msg')}")
     return "Input validation error: " + "; ".join(parts)
 
 
