@@ -109,3 +109,25 @@ def test_truncated_request_line_does_not_hang(minilm_torch):
         s.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 50\r\n\r\n{\"inp")
     # the half-sent request is abandoned; the server keeps serving
     assert httpx.post(minilm_torch + "/embed", json={"inputs": "ok"}, timeout=10).status_code == 200
+
+
+def test_backend_failure_424_and_engine_survives(tmp_path):
+    from tests.models import minilm_dir
+
+    with run_server(model_id=str(minilm_dir()), backend="torch") as (url, st):
+        backend = st.service.backend
+        real = backend.forward
+        calls = {"n": 0}
+
+        def flaky(batch):  # fault injection: the device fails once
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("CUDA error: device-side assert triggered")
+            return real(batch)
+
+        backend.forward = flaky
+        msg = _err(httpx.post(url + "/embed", json={"inputs": ["a", "b"]}, timeout=30), 424, "Backend")
+        assert "device-side assert" in msg
+        assert httpx.post(url + "/embed", json={"inputs": "fine again"}, timeout=30).status_code == 200
+        assert httpx.get(url + "/health").status_code == 200
+        assert st.service.engine.in_flight == 0

@@ -212,35 +212,40 @@ class Engine:
             if item is None:
                 return
             entries, batch = item
-            t0 = time.perf_counter()
             try:
-                out = self.backend.forward(batch)
-            except Exception as e:
-                log.exception("forward pass failed")
+                self._run_batch(entries, batch)
+            except Exception as e:  # whatever fails, the thread survives and the requests get an answer
+                log.exception("inference failed")
                 self._fail_entries(entries, EngineError(BACKEND, f"inference failed: {e}"))
+            finally:
                 with self._cv:
                     self._busy = False
-                continue
-            t1 = time.perf_counter()
-            with self._cv:
-                self._busy = False
-            finished = []
-            for r, e in enumerate(entries):
-                req = e.request
-                req.results[e.index] = (
-                    out.tokens[r] if (req.need_tokens and out.tokens is not None) else out.pooled[r]
-                )
-                req.t_queue += t0 - (req.t_tokenized or t0)
-                req.t_infer += t1 - t0
-                req.remaining -= 1
-                if req.remaining == 0:
-                    finished.append(req)
-            dt = t1 - t0
-            if dt > 0:
-                rate = len(entries) / dt
-                self._throughput = rate if not self._throughput else 0.8 * self._throughput + 0.2 * rate
-            if finished:
-                finished[0].loop.call_soon_threadsafe(_finish_all, finished)
+
+    def _run_batch(self, entries: list[Entry], batch: Batch) -> None:
+        t0 = time.perf_counter()
+        out = self.backend.forward(batch)
+        t1 = time.perf_counter()
+        with self._cv:
+            self._busy = False  # the look-ahead slot may be refilled while we post-process
+        finished = []
+        for r, e in enumerate(entries):
+            req = e.request
+            req.results[e.index] = out.tokens[r] if (req.need_tokens and out.tokens is not None) else out.pooled[r]
+            req.t_queue += t0 - (req.t_tokenized or t0)
+            req.t_infer += t1 - t0
+            req.remaining -= 1
+            if req.remaining == 0:
+                finished.append(req)
+        dt = t1 - t0
+        if dt > 0:
+            rate = len(entries) / dt
+            self._throughput = rate if not self._throughput else 0.8 * self._throughput + 0.2 * rate
+        if finished:
+            finished[0].loop.call_soon_threadsafe(_finish_all, finished)
+
+    def healthy(self) -> bool:
+        """False if an engine thread died: /health then answers 503 so Kubernetes restarts the pod."""
+        return all(t.is_alive() for t in self._threads) and self.tokenizers.alive()
 
     def _fail_entries(self, entries: list[Entry], err: EngineError) -> None:
         reqs = {id(e.request): e.request for e in entries}

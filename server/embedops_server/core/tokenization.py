@@ -55,6 +55,9 @@ class TokenizerPool:
     def submit(self, job: EncodeJob) -> None:
         self._jobs.put(job)
 
+    def alive(self) -> bool:
+        return all(t.is_alive() for t in self._threads)
+
     def close(self) -> None:
         for _ in self._threads:
             self._jobs.put(None)
@@ -79,7 +82,14 @@ class TokenizerPool:
             for j in jobs:
                 groups.setdefault((j.truncate, j.direction, j.max_length, j.add_special_tokens), []).append(j)
             for key, group in groups.items():
-                self._encode_group(tok, key, group)
+                try:
+                    self._encode_group(tok, key, group)
+                except Exception as e:  # keep the worker alive; these jobs get an error, not a hang
+                    for j in group:
+                        try:
+                            j.done(None, EngineError(TOKENIZER, f"tokenizer error: {e}"))
+                        except Exception:
+                            pass
 
     def _encode_group(self, tok: Tokenizer, key: tuple, group: list[EncodeJob]) -> None:
         truncate, direction, max_length, add_special = key

@@ -65,7 +65,7 @@ def create_app(settings: Settings, service=None) -> FastAPI:
 
     @app.get("/health", tags=["Ops"], summary="200 once the model is loaded and warmed up, else 503")
     async def health(request: Request):
-        if st.service is None or st.draining:
+        if st.service is None or st.draining or not st.service.engine.healthy():
             msg = st.load_error or ("shutting down" if st.draining else "unhealthy")
             return error_response(request.url.path, 503, "Unhealthy", msg)
         return Response(status_code=200)
