@@ -136,11 +136,11 @@ class Runner:
     def stop_target(self, key: str) -> None:
         t = self.targets.pop(key, None)
         if t:
-            self.record_rss(t)
+            self.record_rss(t, key)
             t.server.stop()
 
-    def record_rss(self, t) -> None:
-        cur = self.rss.setdefault(t.name, {"peak_rss_mb": 0.0})
+    def record_rss(self, t, key: str | None = None) -> None:
+        cur = self.rss.setdefault(key or t.name, {"peak_rss_mb": 0.0})
         cur["peak_rss_mb"] = max(cur["peak_rss_mb"], round(t.server.peak_rss_mb(), 1))
         cur["rss_now_mb"] = round(t.server.rss_mb(), 1)
         gpu = report.gpu_memory_from_metrics(t.server.get("/metrics"), t.server.get("/info"))
@@ -185,7 +185,7 @@ class Runner:
                 extra = {"avg_batch": (after["inputs"] - before["inputs"]) / nb,
                          "avg_batch_tokens": (after["tokens"] - before["tokens"]) / nb}
         self.add(scenario, key, "http", concurrency, st.as_dict(), **extra)
-        self.record_rss(t)
+        self.record_rss(t, key)
         return st
 
     def ceilings(self):
@@ -288,7 +288,7 @@ class Runner:
         log("scenario 3: ingestion, 32 texts x 256 tokens per request, saturated")
         w, P = self.w, self.profile
         self.ceiling("3-ingest", w.ingest_batches, w.counts["ingest_batches"], label="32x256",
-                     both=True, max_iters=P.heavy_ceiling_iters, probes=[w.ingest_batches[0][:8]])
+                     both=P.both_tokenization, max_iters=P.heavy_ceiling_iters, probes=[w.ingest_batches[0][:8]])
         for key, t in self.http_targets():
             reqs = [Request(t.embed_body(b), len(b), n) for b, n in zip(w.ingest_batches, w.counts["ingest_batches"])]
             self.http("3-ingest", key, t, reqs, 2, url=t.embed_url, check=t.embed_check,
@@ -341,12 +341,13 @@ class Runner:
                      st=False, max_iters=P.heavy_ceiling_iters + 1, probes=[uni[0][:8]])
         for r in self.rows[-2:]:
             r["target"] += "-uniform"
-        # the same mixed texts in arrival order, padded to the longest (what FIFO batching pays)
-        mixed = [texts[i:i + 32] for i in range(0, 32 * 3, 32)]
-        self.ceiling("5-mixed", mixed, [sum(counts[i:i + 32]) for i in range(0, 96, 32)],
-                     label="32 mixed padded", both=False, st=False, max_iters=P.heavy_ceiling_iters + 1, probes=[uni[0][:8]])
-        for r in self.rows[-2:]:
-            r["target"] += "-mixedpad"
+        if P.both_tokenization:  # full profile: the same mixed texts in arrival order, padded to the longest
+            mixed = [texts[i:i + 32] for i in range(0, 32 * 3, 32)]  # (what FIFO batching would pay)
+            self.ceiling("5-mixed", mixed, [sum(counts[i:i + 32]) for i in range(0, 96, 32)],
+                         label="32 mixed padded", both=False, st=False, max_iters=P.heavy_ceiling_iters + 1,
+                         probes=[uni[0][:8]])
+            for r in self.rows[-2:]:
+                r["target"] += "-mixedpad"
         for key, t in self.http_targets():
             reqs = [Request(t.embed_body([x]), 1, n) for x, n in zip(texts, counts)]
             self.http("5-mixed", key, t, reqs, W.MIXED_CLIENTS, url=t.embed_url, check=t.embed_check,

@@ -21,8 +21,8 @@ class Profile:
 
 
 PROFILES = {
-    "quick": Profile("quick", duration_s=3.5, max_requests=3000, ceiling_budget_s=1.5, concurrencies=[16, 64],
-                     ingest_requests=4, rerank_requests=1, mixed_duration_s=5, both_tokenization=False,
+    "quick": Profile("quick", duration_s=3.0, max_requests=3000, ceiling_budget_s=1.5, concurrencies=[16, 64],
+                     ingest_requests=3, rerank_requests=1, mixed_duration_s=4, both_tokenization=False,
                      heavy_ceiling_iters=1),
     "full": Profile("full", duration_s=30, max_requests=50_000, ceiling_budget_s=8.0,
                     concurrencies=[4, 16, 32, 64], ingest_requests=24, rerank_requests=10,

@@ -99,7 +99,10 @@ def test_open_loop_poisson_arrivals(fake_server):
     assert len(samples) == 30 and all(s.ok for s in samples)
 
 
-def test_check_rejects_bad_bodies(fake_server):
+def test_check_rejects_bad_bodies(fake_server, monkeypatch):
+    import bench.loadgen as lg
+
+    monkeypatch.setattr(lg, "CHECK_EVERY", 1)
     samples, _ = asyncio.run(run_load(fake_server, [Request({"inputs": ["x"]})], concurrency=1, max_requests=3,
                                       duration_s=5, check=lambda r: False))
     assert all(not s.ok and s.error.startswith("check") for s in samples)
