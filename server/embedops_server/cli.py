@@ -100,6 +100,19 @@ def setup_logging(s: Settings) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    # Everything goes through this handler, so --json-output yields only JSON lines: Python warnings too,
+    # and no progress bars from transformers / huggingface_hub.
+    logging.captureWarnings(True)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    try:
+        from transformers.utils import logging as tlog
+
+        tlog.disable_progress_bar()
+        tlog.disable_default_handler()
+        tlog.enable_propagation()
+    except ImportError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> None:

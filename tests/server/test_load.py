@@ -107,7 +107,7 @@ def test_sigterm_under_load_loses_no_admitted_request(tmp_path):
     log = tmp_path / "server.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "embedops_server.cli", "--backend", "torch",
-                                 "--hostname", "127.0.0.1", "--graceful-shutdown-timeout", "60"],
+                                 "--hostname", "127.0.0.1", "--graceful-shutdown-timeout", "60", "--json-output"],
                                 env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
     url = f"http://127.0.0.1:{port}"
     auth = {"Authorization": "Bearer topsecret-should-not-appear"}
@@ -137,3 +137,7 @@ def test_sigterm_under_load_loses_no_admitted_request(tmp_path):
     text = log.read_text()
     assert "topsecret" not in text
     assert "draining" in text and "Finished server process" in text
+    import json
+
+    lines = [json.loads(line) for line in text.splitlines() if line.strip()]  # --json-output: JSON only
+    assert {"timestamp", "level", "message"} <= set(lines[0])
