@@ -82,3 +82,34 @@ def test_auto_backend_on_cpu_exports_to_onnx(arch, arch_dirs, tmp_path):
     print(arch, "auto backend:", backend)
     assert backend == "onnxruntime", f"{arch}: ONNX export failed, fell back to {backend}"
     assert cosine(got, ref).min() >= 0.9999
+
+
+@pytest.mark.parametrize("pooling, backend", [("cls", "torch"), ("last-token", "torch"), ("cls", "onnxruntime"),
+                                              ("last-token", "onnxruntime")])
+def test_pooling_modes(pooling, backend, arch_dirs, tmp_path):
+    from tokenizers import Tokenizer
+    from transformers import AutoModel
+
+    d = arch_dirs["distilbert"]
+    texts = TEXTS[:3]
+    with run_server(model_id=str(d), backend=backend, pooling=pooling, onnx_cache=str(tmp_path)) as (url, st):
+        got = np.array(httpx.post(url + "/embed", json={"inputs": texts, "normalize": False}).json())
+        assert httpx.get(url + "/info").json()["model_type"]["embedding"]["pooling"] == pooling
+    model = AutoModel.from_pretrained(str(d)).eval()
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.no_padding()
+    for text, vec in zip(texts, got):
+        ids = torch.tensor([tok.encode(text).ids])
+        with torch.no_grad():
+            h = model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state[0]
+        ref = h[0] if pooling == "cls" else h[-1]
+        assert cosine(vec, ref.numpy()) >= 0.9999
+
+
+def test_bfloat16_torch_on_cpu(st_model):
+    with run_server(model_id=str(minilm_dir()), backend="torch", dtype="bfloat16") as (url, st):
+        assert httpx.get(url + "/info").json()["model_dtype"] == "bfloat16"
+        got = np.array(httpx.post(url + "/embed", json={"inputs": TEXTS}).json())
+    cos = cosine(got, st_model.encode(TEXTS, normalize_embeddings=True))
+    print("bfloat16 cosines", cos.min())
+    assert cos.min() >= 0.99
