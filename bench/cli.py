@@ -85,13 +85,13 @@ class Runner:
         for name in names:
             try:
                 if name.startswith("embedops-"):
-                    backend = name.split("-", 1)[1]
+                    backend = name.split("+")[0].split("-", 1)[1]
                     if rerank:
                         if backend != "onnx":
                             continue  # one reranking embedops server is enough: the ONNX one
                         t = embedops_target(self.model_dir, self.args.onnx_backend_name,
                                             rerank_model=self.rerank_dir, log_dir=self.logs,
-                                            name="embedops-onnx", extra_args=self.args.embedops_args)
+                                            name=name, extra_args=self.args.embedops_args)
                     else:
                         bname = self.args.onnx_backend_name if backend == "onnx" else backend
                         t = embedops_target(self.model_dir, bname, log_dir=self.logs, name=name,
@@ -167,6 +167,8 @@ class Runner:
             f"p99={p('p99_ms'):.1f}ms req/s={p('req_s'):.1f} texts/s={p('texts_s'):.1f} "
             f"tok/s={p('tokens_s'):.0f} err={row.get('errors', 0)}"
             + (f" batch={row['avg_batch']:.1f}" if "avg_batch" in row else "")
+            + (" srv=" + ",".join(f"{k}:{v:.1f}" for k, v in row["server_p50_ms"].items())
+               if row.get("server_p50_ms") else "")
             + (f" [{row['config']}]" if row.get("config") else ""))
 
     def http(self, scenario: str, key: str, t, reqs: list[Request], concurrency: int, *,

@@ -36,6 +36,7 @@ class Sample:
     n_texts: int
     n_tokens: int
     error: str = ""
+    server_ms: dict | None = None  # TEI timing headers (x-total-time, x-queue-time ...), when sent
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -65,6 +66,7 @@ class RunStats:
     req_s: float = 0.0
     texts_s: float = 0.0
     tokens_s: float = 0.0
+    server_p50_ms: dict = field(default_factory=dict)  # medians of the server's timing headers
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -94,6 +96,10 @@ def summarize(samples: Sequence[Sample], wall_s: float | None = None) -> RunStat
         st.p90_ms = percentile(lat, 90)
         st.p99_ms = percentile(lat, 99)
         st.mean_ms = sum(lat) / len(lat)
+        heads = [s.server_ms for s in good if s.server_ms]
+        if heads:
+            for k in heads[0]:
+                st.server_p50_ms[k] = percentile([h[k] for h in heads if k in h], 50)
     if wall_s > 0:
         st.req_s = len(good) / wall_s
         st.texts_s = sum(s.n_texts for s in good) / wall_s
@@ -107,6 +113,7 @@ def check_loopback(url: str) -> None:
         raise ValueError(f"load generator is loopback-only, refusing {url!r}")
 
 
+TIMING_HEADERS = ("x-total-time", "x-tokenization-time", "x-queue-time", "x-inference-time")
 CHECK_EVERY = 10  # parse and check 1 response body in 10 (and the first ones): JSON parsing of big
 # embedding responses in the client would otherwise take CPU from the server on a small machine
 
@@ -133,7 +140,15 @@ async def _send(session: aiohttp.ClientSession, url: str, req: Request,
                     err = "check:bad response"
             elif not ok:
                 err = f"http:{r.status}"
-            return Sample(t0, lat, ok, r.status, req.n_texts, req.n_tokens, err)
+            sm = None
+            if "x-total-time" in r.headers:
+                sm = {}
+                for h in TIMING_HEADERS:
+                    try:
+                        sm[h[2:-5]] = float(r.headers[h])
+                    except (KeyError, ValueError):
+                        pass
+            return Sample(t0, lat, ok, r.status, req.n_texts, req.n_tokens, err, sm)
     except asyncio.CancelledError:
         return Sample(t0, time.perf_counter() - t0, False, 0, req.n_texts, req.n_tokens, "cancelled")
     except Exception as e:

@@ -8,6 +8,12 @@ from pathlib import Path
 EMBEDOPS = ("embedops-onnx", "embedops-torch")
 
 
+def embedops_targets(res: dict) -> list[str]:
+    """embedops targets in this result, variants (embedops-onnx+num-threads=1 ...) included."""
+    names = {_base(r["target"]) for r in res["rows"] if r["target"].startswith("embedops-")}
+    return sorted(names, key=lambda n: (n.split("+")[0] not in EMBEDOPS, n))
+
+
 def _base(target: str) -> str:
     return target.split("/")[0]
 
@@ -38,7 +44,7 @@ def metric_for(scenario: str) -> tuple[str, str]:
 
 
 def ceiling_for(scenario: str, target: str) -> str:
-    b = "onnx" if target.endswith("onnx") else "torch"
+    b = "onnx" if target.split("+")[0].endswith("onnx") else "torch"
     if scenario == "5-mixed":
         return f"ceiling-{b}-uniform"
     return f"ceiling-{b}"
@@ -51,7 +57,7 @@ def ratios(res: dict) -> list[dict]:
     scenarios = sorted({r["scenario"] for r in res["rows"]}, key=_scen_key)
     for s in scenarios:
         m, better = metric_for(s)
-        for e in EMBEDOPS:
+        for e in embedops_targets(res):
             er = idx.get((s, e))
             if not er or er.get("na") or not er.get("ok"):
                 continue
@@ -99,18 +105,23 @@ def table(res: dict) -> str:
         note = r.get("batch", "") or (f"avg batch {r['avg_batch']:.1f}" if r.get("avg_batch") else "")
         if r.get("config"):
             note += f" [{r['config']}]"
+        sp = r.get("server_p50_ms") or {}
+        if sp:
+            note += (" | server p50: total {:.1f} tok {:.1f} queue {:.1f} infer {:.1f}".format(
+                sp.get("total", math.nan), sp.get("tokenization", math.nan), sp.get("queue", math.nan),
+                sp.get("inference", math.nan)))
         lines.append(
             f"{r['scenario']:<10} {_base(r['target']):<26} {r.get('concurrency') or '':>3} {_f(r.get('p50_ms')):>8} "
             f"{_f(r.get('p99_ms')):>8} {_f(r.get('req_s')):>8} {_f(r.get('texts_s')):>8} "
             f"{_f(r.get('tokens_s'), '{:.0f}'):>9} {r.get('errors', 0) or '':>4}  {note}")
     lines += ["", "ratios (>1 = embedops better; throughput a/b, latency b/a; ceiling = same backend, "
               "tokenization included)"]
-    hdr = f"{'scenario':<10} {'target':<15} {'metric':<9} {'value':>9} {'/ceiling':>9} {'/infinity':>10} " \
+    hdr = f"{'scenario':<10} {'target':<26} {'metric':<9} {'value':>9} {'/ceiling':>9} {'/infinity':>10} " \
           f"{'/naive':>8} {'/inline':>8} {'p99/inf':>8} {'+ms vs ceil':>11}"
     lines += [hdr, "-" * len(hdr)]
     for r in ratios(res):
         lines.append(
-            f"{r['scenario']:<10} {r['target']:<15} {r['metric']:<9} {_f(r.get('value')):>9} "
+            f"{r['scenario']:<10} {r['target']:<26} {r['metric']:<9} {_f(r.get('value')):>9} "
             f"{_f(r.get('vs_ceiling'), '{:.2f}'):>9} {_f(r.get('vs_infinity'), '{:.2f}'):>10} "
             f"{_f(r.get('vs_naive-encode'), '{:.2f}'):>8} {_f(r.get('vs_inline-encode'), '{:.2f}'):>8} "
             f"{_f(r.get('p99_vs_infinity'), '{:.2f}'):>8} {_f(r.get('over_ceiling_ms'), '{:+.1f}'):>11}")
@@ -130,7 +141,7 @@ def table(res: dict) -> str:
 def targets_check(res: dict) -> list[str]:
     """The issue's CPU targets, met or missed."""
     idx, out = index(res), []
-    for e in EMBEDOPS:
+    for e in embedops_targets(res):
         r = idx.get(("3-ingest", e)); c = idx.get(("3-ingest", ceiling_for("3-ingest", e)))
         if r and c and r.get("tokens_s"):
             v = r["tokens_s"] / c["tokens_s"]

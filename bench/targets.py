@@ -61,6 +61,22 @@ def tei_target(name: str, server: Server, rerank: bool) -> Target:
 
 # ---------------------------------------------------------------- embedops
 
+def parse_variant(name: str) -> tuple[str, list[str], dict]:
+    """``embedops-onnx+num-threads=1+ort=nospin`` -> ("embedops-onnx", ["--num-threads", "1"], env).
+
+    ``flag=value`` parts become server flags; ``ort=...`` sets ONNX Runtime session options through
+    bench/_patches (an experiment hook: measures a proposed server change without editing the server)."""
+    base, *parts = name.split("+")
+    args, env = [], {}
+    for p in parts:
+        k, _, v = p.partition("=")
+        if k == "ort":
+            env["EMBEDOPS_BENCH_ORT"] = v.replace(";", ",")
+        else:
+            args += [f"--{k}"] + ([v] if v else [])
+    return base, args, env
+
+
 def embedops_target(model_dir: Path, backend: str, *, rerank_model: Path | None = None, log_dir: Path,
                     extra_args: Sequence[str] = (), name: str | None = None,
                     max_client_batch_size: int = 64) -> Target:
@@ -70,8 +86,12 @@ def embedops_target(model_dir: Path, backend: str, *, rerank_model: Path | None 
     argv += ["--model-id", str(rerank_model or model_dir), "--port", str(port), "--hostname", "127.0.0.1",
              "--backend", backend, "--max-client-batch-size", str(max_client_batch_size), *extra_args]
     name = name or f"embedops-{backend}" + ("-rerank" if rerank_model else "")
-    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "server"),
-                                          os.environ.get("PYTHONPATH", "")])}
+    _, vargs, venv = parse_variant(name)
+    argv += vargs
+    paths = [str(Path(__file__).resolve().parents[1] / "server"), os.environ.get("PYTHONPATH", "")]
+    if venv:
+        paths.insert(0, str(Path(__file__).resolve().parent / "_patches"))
+    env = {"PYTHONPATH": os.pathsep.join(paths), **venv}
     srv = Server(name, argv, port, health="/health", env=env, log_dir=log_dir)
     return tei_target(name, srv, rerank=rerank_model is not None)
 

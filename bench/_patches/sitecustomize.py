@@ -1,0 +1,22 @@
+"""Experiment hook for bench variants (never used by the server itself): started with this folder first on
+PYTHONPATH, an embedops server's ONNX Runtime sessions get the settings named in EMBEDOPS_BENCH_ORT
+(comma list: ``nospin`` = session.intra_op.allow_spinning 0). Lets the bench measure a proposed server
+change side by side without editing server code."""
+import os
+
+_opts = set(filter(None, os.environ.get("EMBEDOPS_BENCH_ORT", "").split(",")))
+if _opts:
+    try:
+        import onnxruntime as _ort
+
+        _orig = _ort.InferenceSession.__init__
+
+        def _init(self, path_or_bytes, sess_options=None, *a, **kw):
+            so = sess_options or _ort.SessionOptions()
+            if "nospin" in _opts:
+                so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            return _orig(self, path_or_bytes, so, *a, **kw)
+
+        _ort.InferenceSession.__init__ = _init
+    except Exception:  # the experiment must never break a server start
+        pass
