@@ -116,6 +116,9 @@ def setup_logging(s: Settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning, leaving the cores to the
+    # tokenizers and the event loop (measured on 2 shared cores: ~2x saturated torch-CPU throughput).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     s = parse_args(argv)
     setup_logging(s)
     # Settings' repr hides api_key; log it as a boolean only.
