@@ -45,7 +45,7 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
 
 def random_model(kind: str, *, hidden: int, layers: int, heads: int, intermediate: int,
                  vocab_from: Path | None = None, max_pos: int = 512, vocab_size: int | None = None,
-                 model_type: str = "bert", seed: int = 0) -> Path:
+                 model_type: str = "bert", seed: int = 0, save_dtype: str = "float32") -> Path:
     """Build (once) a random-weight model folder.
 
     ``kind`` = "embed" (BertModel/XLMRobertaModel + mean-pooling sentence-transformers files) or
@@ -57,7 +57,8 @@ def random_model(kind: str, *, hidden: int, layers: int, heads: int, intermediat
     vocab_from = vocab_from or minilm_dir()
     vocab_size = vocab_size or json.loads((vocab_from / "config.json").read_text())["vocab_size"] \
         if (vocab_from / "config.json").exists() else (vocab_size or 30522)
-    name = f"{model_type}-{kind}-h{hidden}-l{layers}-a{heads}-i{intermediate}-v{vocab_size}-p{max_pos}"
+    name = f"{model_type}-{kind}-h{hidden}-l{layers}-a{heads}-i{intermediate}-v{vocab_size}-p{max_pos}" + (
+        "" if save_dtype == "float32" else f"-{save_dtype}")
     out = CACHE / "bench-models" / name
     if (out / "model.safetensors").exists():
         return out
@@ -73,7 +74,8 @@ def random_model(kind: str, *, hidden: int, layers: int, heads: int, intermediat
         cfg = transformers.XLMRobertaConfig(vocab_size=vocab_size, hidden_size=hidden,
                                             num_hidden_layers=layers, num_attention_heads=heads,
                                             intermediate_size=intermediate, max_position_embeddings=max_pos + 2,
-                                            pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1)
+                                            pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                                            type_vocab_size=2)  # borrowed BERT tokenizer: pair type ids 0/1
     if kind == "rerank":
         cfg.num_labels = 1
         auto = transformers.AutoModelForSequenceClassification
@@ -81,6 +83,8 @@ def random_model(kind: str, *, hidden: int, layers: int, heads: int, intermediat
         auto = transformers.AutoModel
     model = auto.from_config(cfg)
     model.eval()
+    if save_dtype != "float32":  # big random models: half the disk and load time (served in float16 anyway)
+        model = model.to(getattr(torch, save_dtype))
     model.save_pretrained(tmp, safe_serialization=True)
     _copy_tokenizer(vocab_from, tmp)
     if kind == "embed":
