@@ -131,3 +131,27 @@ def test_backend_failure_424_and_engine_survives(tmp_path):
         assert httpx.post(url + "/embed", json={"inputs": "fine again"}, timeout=30).status_code == 200
         assert httpx.get(url + "/health").status_code == 200
         assert st.service.engine.in_flight == 0
+
+
+def test_bad_requests_do_not_disturb_work_in_flight(minilm_torch, st_model):
+    import asyncio
+
+    import numpy as np
+
+    from .conftest import cosine
+
+    good = ["Embeddings map sentences to vectors. " * 30] * 16
+    bad = [b'{"inputs": [', b'{"inputs": "\xff"}', b'{"inputs": []}', b'{"inputs": 1}',
+           b'{"inputs": "x", "dimensions": -1}', b'[]']
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as c:
+            g = asyncio.create_task(c.post(minilm_torch + "/embed", json={"inputs": good}))
+            bads = await asyncio.gather(*[c.post(minilm_torch + "/embed", content=b,
+                                                 headers={"content-type": "application/json"}) for b in bad * 3])
+            return await g, bads
+
+    g, bads = asyncio.run(go())
+    assert all(400 <= r.status_code < 500 and "error_type" in r.json() for r in bads), [r.status_code for r in bads]
+    assert g.status_code == 200
+    assert cosine(np.array(g.json()), st_model.encode(good[:1], normalize_embeddings=True)).min() >= 0.9999
