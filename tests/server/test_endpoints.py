@@ -5,7 +5,6 @@ import base64
 
 import httpx
 import numpy as np
-import pytest
 import torch
 
 from tests.models import minilm_dir

@@ -4,7 +4,6 @@ from __future__ import annotations
 import inspect
 import logging
 
-import numpy as np
 
 from ..core.engine import Batch, BatchOutput
 from ..core.model_info import CLASSIFIER, EMBEDDER, RERANKER, SPARSE, ModelInfo

@@ -11,7 +11,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -43,7 +43,7 @@ class Request:
     """One HTTP request's worth of inputs travelling through the engine."""
     __slots__ = (
         "future", "loop", "n", "remaining", "results", "need_tokens", "cancelled", "done",
-        "t_start", "t_tokenized", "t_queue", "t_infer", "tokens", "error",
+        "t_start", "t_tokenized", "t_queue", "t_infer", "tokens",
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, n: int, need_tokens: bool):
@@ -60,7 +60,6 @@ class Request:
         self.t_queue = 0.0  # summed over inputs (divided by n for the per-input average)
         self.t_infer = 0.0
         self.tokens = 0
-        self.error: EngineError | None = None
 
 
 @dataclass

@@ -23,6 +23,8 @@ class DrainingServer(uvicorn.Server):
         if not self._state.draining:
             log.info("signal %s: draining in-flight requests", sig)
         self._state.draining = True
+        if self._state.service is not None:
+            self._state.service.engine.draining = True  # admission refuses from now on
         super().handle_exit(sig, frame)
 
 
