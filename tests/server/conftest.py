@@ -56,6 +56,9 @@ def wait_healthy(url: str, timeout: float = 180.0, state=None) -> None:
     raise TimeoutError(f"{url} not healthy after {timeout}s")
 
 
+STATES: dict = {}  # base url -> the running app's state, for tests that inspect or fault-inject
+
+
 @contextlib.contextmanager
 def run_server(wait: bool = True, **kw):
     """Start the real app under uvicorn in a background thread; yield (base_url, app_state)."""
@@ -74,6 +77,7 @@ def run_server(wait: bool = True, **kw):
         time.sleep(0.05)
     if wait:
         wait_healthy(url, state=app.fastapi.state.embedops)
+    STATES[url] = app.fastapi.state.embedops
     try:
         yield url, app.fastapi.state.embedops
     finally:

@@ -9,7 +9,7 @@ import torch
 
 from tests.models import minilm_dir
 
-from .conftest import TEXTS, cosine
+from .conftest import STATES, TEXTS, cosine
 
 
 def test_embed_options(minilm_torch, st_model):
@@ -135,3 +135,21 @@ def test_root_and_invocations_route_by_task(minilm_torch, st_model):
     r = httpx.post(minilm_torch + "/", content=b"{nope", headers={"content-type": "application/json"})
     assert r.status_code == 422 and r.json()["error_type"] == "Validation"
     assert httpx.get(minilm_torch + "/").status_code == 200
+
+
+def test_shape_buckets_do_not_change_results(minilm_torch, st_model):
+    """The GPU path pads batches to bucket shapes (for CUDA graphs); padded rows/columns must not leak."""
+    from embedops_server.backends.torch_backend import TorchBackend
+
+    backend = STATES[minilm_torch].service.backend
+    backend.bucket = lambda rows, cols: TorchBackend.bucket(_Gpu(), rows, cols)
+    try:
+        assert backend.bucket(3, 17) == (4, 32)
+        got = np.array(httpx.post(minilm_torch + "/embed", json={"inputs": TEXTS[:3]}).json())
+    finally:
+        del backend.bucket
+    assert cosine(got, st_model.encode(TEXTS[:3], normalize_embeddings=True)).min() >= 0.9999
+
+
+class _Gpu:
+    device = "cuda"
