@@ -71,3 +71,18 @@ def test_cancelled_entries_are_dropped():
     b, dropped = q.next_batch(timeout=0)
     assert set(b) == set(keep) and set(dropped) == set(gone)
     assert len(q) == 0
+
+
+def test_top_up_adds_later_arrivals_that_fit():
+    q = BatchQueue(max_batch_tokens=1024, max_batch_requests=8)
+    q.put_many(entries([20, 22]))
+    batch, _ = q.next_batch(timeout=0)
+    assert len(batch) == 2
+    later = entries([21, 500, 19, 23, 18, 20, 22, 24, 25])  # 500 would blow the padding: left for later
+    q.put_many(later)
+    with q.cv:
+        extra = q.top_up(batch)
+    assert later[1] not in extra and len(batch) + len(extra) == 8  # request cap
+    assert [e.seq for e in extra] == sorted(e.seq for e in extra)  # oldest first
+    rest = drain(q)
+    assert sorted(e.seq for b in rest for e in b) == sorted(e.seq for e in later if e not in extra)

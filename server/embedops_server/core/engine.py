@@ -160,11 +160,10 @@ class Engine:
             log.exception("building a batch failed")
             self._fail_entries(entries, EngineError(BACKEND, f"batch assembly failed: {e}"))
             return None
-        self.stats.on_batch(len(entries), int(batch.lengths[: len(entries)].sum()))
         return entries, batch
 
     def _next(self):
-        """The look-ahead batch if one is ready, else form one here (blocking until work arrives)."""
+        """The look-ahead batch (topped up with later arrivals) if one is ready, else form one here."""
         cv, q = self._cv, self.queue
         while True:
             with cv:
@@ -173,13 +172,17 @@ class Engine:
                 if self._stop:
                     return None
                 if self._slot is not None:
-                    item, self._slot = self._slot, None
+                    (entries, batch), self._slot = self._slot, None
+                    extra = q.top_up(entries) if len(q) else []
                     self._busy = True
                     cv.notify_all()
-                    return item
-                entries, dropped = q.form()
-                self._busy = True
-                cv.notify_all()  # the batcher may start on the next batch now
+                    if not extra:
+                        return entries, batch
+                    entries, dropped = entries + extra, []
+                else:
+                    entries, dropped = q.form()
+                    self._busy = True
+                    cv.notify_all()  # the batcher may start on the next batch now
             item = self._prepare(entries, dropped)
             if item is not None:
                 return item
@@ -221,6 +224,7 @@ class Engine:
                     self._busy = False
 
     def _run_batch(self, entries: list[Entry], batch: Batch) -> None:
+        self.stats.on_batch(len(entries), int(batch.lengths[: len(entries)].sum()))
         t0 = time.perf_counter()
         out = self.backend.forward(batch)
         t1 = time.perf_counter()

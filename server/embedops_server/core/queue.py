@@ -101,6 +101,32 @@ class BatchQueue:
         batch.sort(key=lambda e: e.seq)
         return batch, dropped
 
+    def top_up(self, batch: list[Entry]) -> list[Entry]:
+        """Entries that arrived after `batch` was formed and still fit it (oldest first); caller holds `cv`.
+
+        The look-ahead batch is formed as soon as a forward starts; inputs arriving during that forward
+        would otherwise wait one more forward. Used when the inference thread picks the batch up."""
+        self._purge_cancelled()
+        max_len = max(e.length for e in batch)
+        real, n = sum(e.length for e in batch), len(batch)
+        extra: list[Entry] = []
+        for e in self._fifo:
+            if n >= self.max_batch_requests:
+                break
+            if e.taken:
+                continue
+            new_max = max(max_len, e.length)
+            padded = new_max * (n + 1)
+            if padded > self.max_batch_tokens or (
+                    padded > SMALL_BATCH_TOKENS and (real + e.length) / padded < MIN_EFFICIENCY):
+                continue  # it heads a later batch instead
+            extra.append(e)
+            max_len, real, n = new_max, real + e.length, n + 1
+        for e in extra:
+            e.taken = True
+            del self._by_len[bisect.bisect_left(self._by_len, (e.length, e.seq))]
+        return extra
+
     def _purge_cancelled(self) -> list[Entry]:
         if not any(t[2].request.cancelled for t in self._by_len):
             return []
