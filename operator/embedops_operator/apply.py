@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from typing import Any, Iterable
@@ -63,16 +64,27 @@ class Kube:
 
     def __init__(self, api_client: k8s.ApiClient | None = None, capability_ttl: float = 10.0):
         if api_client is None:
-            try:
-                k8s_config.load_incluster_config()
-            except k8s_config.ConfigException:
-                k8s_config.load_kube_config()
-            api_client = k8s.ApiClient()
+            api_client = self._default_client()
         self.api = api_client
         self.capability_ttl = capability_ttl
         self._caps: tuple[float, frozenset] | None = None
         self._lock = threading.Lock()
         self.writes = 0  # counted for tests and logs
+
+    @staticmethod
+    def configuration() -> k8s.Configuration:
+        """In-cluster credentials, else $KUBECONFIG (read now, not at import) or ~/.kube/config."""
+        cfg = k8s.Configuration()
+        try:
+            k8s_config.load_incluster_config(client_configuration=cfg)
+        except k8s_config.ConfigException:
+            path = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0] or os.path.expanduser("~/.kube/config")
+            k8s_config.load_kube_config(config_file=path, client_configuration=cfg)
+        return cfg
+
+    @classmethod
+    def _default_client(cls) -> k8s.ApiClient:
+        return k8s.ApiClient(cls.configuration())
 
     # ------------------------------------------------------------------ raw
     def request(self, method: str, path: str, query: list | None = None, body: Any = None,

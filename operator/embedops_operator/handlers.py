@@ -29,6 +29,18 @@ def reconciler() -> Reconciler:
     return _state["reconciler"]
 
 
+@kopf.on.login()
+def login(**_: object) -> kopf.ConnectionInfo:
+    """The same credentials as the operator's own client (in-cluster, else $KUBECONFIG read at start)."""
+    cfg = A.Kube.configuration()
+    header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+    return kopf.ConnectionInfo(server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
+                               scheme=scheme, token=token, certificate_path=cfg.cert_file,
+                               private_key_path=cfg.key_file)
+
+
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, **_: object) -> None:
     settings.posting.level = logging.WARNING
@@ -36,7 +48,7 @@ async def startup(settings: kopf.OperatorSettings, **_: object) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.execution.max_workers = 8
-    rec = await asyncio.to_thread(reconciler)
+    rec = reconciler()
 
     async def loop() -> None:
         while True:

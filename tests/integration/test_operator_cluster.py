@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[2]
 NS = "embedops-it"
@@ -97,7 +97,9 @@ class OperatorThread:
 
         self.thread = threading.Thread(target=run, name="embedops-operator", daemon=True)
         self.thread.start()
-        assert self.ready_flag.wait(60), "operator did not start"
+        if not self.ready_flag.wait(60):
+            self.stop_flag.set()  # never leave a half-started operator retrying behind the tests
+            raise AssertionError(f"operator did not start: {self.error!r}")
         return self
 
     def alive(self) -> bool:
@@ -195,7 +197,8 @@ def ctx(kube):
 @pytest.fixture(scope="module")
 def operator(ctx):
     if ctx.operator is None or not ctx.operator.alive():
-        ctx.operator = OperatorThread().start()
+        ctx.operator = OperatorThread()
+        ctx.operator.start()
     yield ctx.operator
     assert ctx.operator.alive(), f"operator crashed: {ctx.operator.error!r}"
 
@@ -320,7 +323,8 @@ def test_operator_restart_and_resync_cause_no_writes(ctx, operator):
     time.sleep(5)  # two resyncs with the running operator
     assert _resource_versions(ctx, "minilm") == before
     ctx.operator.stop()
-    ctx.operator = OperatorThread().start()
+    ctx.operator = OperatorThread()
+    ctx.operator.start()
     time.sleep(8)  # initial listing + several resyncs
     assert ctx.operator.alive()
     assert _resource_versions(ctx, "minilm") == before
