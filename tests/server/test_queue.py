@@ -81,7 +81,8 @@ def test_top_up_adds_later_arrivals_that_fit():
     later = entries([21, 500, 19, 23, 18, 20, 22, 24, 25])  # 500 would blow the padding: left for later
     q.put_many(later)
     with q.cv:
-        extra = q.top_up(batch)
+        extra, dropped = q.top_up(batch)
+    assert dropped == []
     assert later[1] not in extra and len(batch) + len(extra) == 8  # request cap
     assert [e.seq for e in extra] == sorted(e.seq for e in extra)  # oldest first
     rest = drain(q)

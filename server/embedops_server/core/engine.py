@@ -173,12 +173,14 @@ class Engine:
                     return None
                 if self._slot is not None:
                     (entries, batch), self._slot = self._slot, None
-                    extra = q.top_up(entries) if len(q) else []
+                    extra, dropped = q.top_up(entries) if len(q) else ([], [])
                     self._busy = True
                     cv.notify_all()
                     if not extra:
+                        if dropped:
+                            self.stats.on_dropped(len(dropped))
                         return entries, batch
-                    entries, dropped = entries + extra, []
+                    entries = entries + extra
                 else:
                     entries, dropped = q.form()
                     self._busy = True

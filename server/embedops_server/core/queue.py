@@ -101,12 +101,13 @@ class BatchQueue:
         batch.sort(key=lambda e: e.seq)
         return batch, dropped
 
-    def top_up(self, batch: list[Entry]) -> list[Entry]:
+    def top_up(self, batch: list[Entry]) -> tuple[list[Entry], list[Entry]]:
         """Entries that arrived after `batch` was formed and still fit it (oldest first); caller holds `cv`.
 
         The look-ahead batch is formed as soon as a forward starts; inputs arriving during that forward
-        would otherwise wait one more forward. Used when the inference thread picks the batch up."""
-        self._purge_cancelled()
+        would otherwise wait one more forward. Used when the inference thread picks the batch up.
+        Returns (extra, dropped) like form()."""
+        dropped = self._purge_cancelled()
         max_len = max(e.length for e in batch)
         real, n = sum(e.length for e in batch), len(batch)
         extra: list[Entry] = []
@@ -125,7 +126,7 @@ class BatchQueue:
         for e in extra:
             e.taken = True
             del self._by_len[bisect.bisect_left(self._by_len, (e.length, e.seq))]
-        return extra
+        return extra, dropped
 
     def _purge_cancelled(self) -> list[Entry]:
         if not any(t[2].request.cancelled for t in self._by_len):
