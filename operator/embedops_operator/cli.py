@@ -28,6 +28,9 @@ def _setup_logging(fmt: str, verbose: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    if not verbose:  # kopf reports every event handler call at INFO; keep its warnings and errors
+        for noisy in ("kopf.objects", "aiohttp.access"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -47,7 +50,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     asyncio.run(kopf.operator(
         standalone=True,
         clusterwide=not namespaces,
-        namespaces=namespaces or None,
+        namespaces=namespaces,
         liveness_endpoint=args.liveness or None,
     ))
     return 0
