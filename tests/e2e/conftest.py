@@ -75,6 +75,11 @@ def third_party_crds(kube):
     return names
 
 
+_SESSION = uuid.uuid4().hex[:6]
+_POOL = [f"e2e-{_SESSION}-{i}" for i in range(12)]  # namespaces the e2e operator watches
+_WATCHED = list(_POOL)
+
+
 @pytest.fixture(scope="session")
 def operator(kube, embsvc_crd, third_party_crds, tmp_path_factory):
     """`embedops-operator run` against the test cluster (stopped at the end of the session)."""
@@ -89,9 +94,10 @@ def operator(kube, embsvc_crd, third_party_crds, tmp_path_factory):
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     env = {**os.environ, "KUBECONFIG": kube.kubeconfig,
            "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "server"), str(REPO)])}
-    # Watches the e2e namespaces (a kopf glob), as a chart installed with watched namespaces would.
-    argv = [sys.executable, "-m", "embedops_operator.cli", "run", "--liveness", "",
-            "--namespace", os.environ.get("EMBEDOPS_E2E_WATCH", "e2e-*"),
+    # Watches the e2e namespaces by name, as the chart installed with watched namespaces does
+    # (EMBEDOPS_E2E_WATCH=all: cluster-wide).
+    watch = [] if os.environ.get("EMBEDOPS_E2E_WATCH") == "all" else ["--namespace", ",".join(_WATCHED)]
+    argv = [sys.executable, "-m", "embedops_operator.cli", "run", "--liveness", "", *watch,
             "--stall-after-seconds", os.environ.get("EMBEDOPS_E2E_STALL_AFTER", "10"),
             # Stalled for an unschedulable pod is decided on a reconcile after stall-after; with no
             # further events that reconcile is the resync timer, so keep it short here.
@@ -119,7 +125,9 @@ def namespace(api):
     from kubernetes.client.rest import ApiException
 
     core = client.CoreV1Api(api)
-    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    if not _POOL:
+        pytest.fail("more e2e tests than watched namespaces: grow _POOL in tests/e2e/conftest.py")
+    name = _POOL.pop(0)
     core.create_namespace({"metadata": {"name": name, "labels": {"embedops.dev/e2e": "true"}}})
 
     def sa():

@@ -33,7 +33,15 @@ def free_slices(core) -> int:
     return total - used
 
 
+def settled(core) -> bool:
+    """No namespace being deleted and no pod terminating: slice accounting is stable."""
+    if any(n.status.phase == "Terminating" for n in core.list_namespace().items):
+        return False
+    return not any(p.metadata.deletion_timestamp for p in core.list_pod_for_all_namespaces().items)
+
+
 def test_no_free_slice_ends_stalled(embsvc, operator):
+    wait_for(lambda: settled(embsvc.core), timeout=120, what="earlier tests' namespaces to be deleted")
     free = free_slices(embsvc.core)
     assert free >= 1
     filler = mig_service("mig-filler", free)
