@@ -31,6 +31,13 @@ def test_backpressure_429_while_admitted_work_completes(st_model):
     with run_server(model_id=str(minilm_dir()), backend="torch", max_concurrent_requests=8,
                     max_client_batch_size=8, max_batch_requests=2) as (url, st):
         texts = [LONG] * 4
+        real = st.service.backend.forward
+
+        def paced(batch):  # at least 20 ms per forward, so the burst always outruns the server
+            time.sleep(0.02)
+            return real(batch)
+
+        st.service.backend.forward = paced
 
         async def go():
             async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=40)) as c:
