@@ -126,3 +126,19 @@ def test_predict_matches_transformers(classifier, classifier_dir):
     assert r.status_code == 424 and "not an embedding" in r.json()["error"]
     r = httpx.post(classifier + "/rerank", json={"query": "q", "texts": ["a"]})
     assert r.status_code == 424
+
+
+def test_splade_on_onnxruntime_matches_torch(splade, tmp_path):
+    from .conftest import run_server
+
+    texts = TEXTS[:4]
+    ref = httpx.post(splade + "/embed_sparse", json={"inputs": texts}).json()
+    with run_server(model_id=str(splade_dir()), backend="onnxruntime", onnx_cache=str(tmp_path)) as (url, st):
+        assert st.service.backend.name == "onnxruntime"
+        got = httpx.post(url + "/embed_sparse", json={"inputs": texts}).json()
+    for g, r in zip(got, ref):
+        gd = {e["index"]: e["value"] for e in g}
+        rd = {e["index"]: e["value"] for e in r}
+        assert len(set(gd) ^ set(rd)) <= 2  # a value at ~0 may land on either side of relu
+        for k in set(gd) | set(rd):
+            assert gd.get(k, 0.0) == pytest.approx(rd.get(k, 0.0), rel=1e-3, abs=1e-4)
