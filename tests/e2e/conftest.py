@@ -80,7 +80,7 @@ _POOL = [f"e2e-{_SESSION}-{i}" for i in range(12)]  # namespaces the e2e operato
 _WATCHED = list(_POOL)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def operator(kube, embsvc_crd, third_party_crds, tmp_path_factory):
     """`embedops-operator run` against the test cluster (stopped at the end of the session)."""
     if os.environ.get("EMBEDOPS_E2E_OPERATOR") == "external":
