@@ -45,6 +45,9 @@ def login(**_: object) -> kopf.ConnectionInfo:
 async def startup(settings: kopf.OperatorSettings, **_: object) -> None:
     settings.posting.level = logging.WARNING
     settings.peering.standalone = True
+    # No cluster-wide CRD/namespace scanning: it would need list/watch on CRDs and namespaces. The
+    # EmbeddingService CRD must exist when the operator starts (the chart installs it first).
+    settings.scanning.disabled = True
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.execution.max_workers = 8

@@ -409,3 +409,73 @@ def test_delete_cascades(ctx, operator):
         ctx.core.read_namespaced_config_map("litellm-models", NS).data or {}), 30)
     assert cm is not None
     assert ctx.operator.alive()
+
+
+def test_operator_works_with_only_the_charts_rbac(ctx, operator, tmp_path):
+    """Install the chart's ServiceAccount + RBAC, run the operator with that account's token: every feature
+    reconciles without a Forbidden error (least privilege is enough)."""
+    import yaml
+
+    helm = ctx.kube.helm
+    if not helm:
+        pytest.skip("helm not available")
+    chart = REPO / "charts" / "embedops-operator"
+    out = subprocess.run([helm, "template", "rbac-it", str(chart), "--namespace", NS], capture_output=True,
+                         text=True, check=True).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d and d["kind"] in (
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding")]
+    assert len(docs) == 3
+    ctx.kube.apply(docs, namespace=NS)
+    sa = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    from kubernetes import client
+    token = ctx.core.create_namespaced_service_account_token(
+        sa, NS, client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
+            audiences=[], expiration_seconds=3600))).status.token
+    admin = yaml.safe_load(Path(ctx.kube.kubeconfig).read_text())
+    cluster = admin["clusters"][0]
+    kubeconfig = tmp_path / "operator.kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "clusters": [cluster],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": cluster["name"], "user": "operator"}}],
+        "current-context": "operator"}))
+
+    ctx.operator.stop()
+    admin_kubeconfig = os.environ["KUBECONFIG"]
+    os.environ["KUBECONFIG"] = str(kubeconfig)
+    records: list[str] = []
+
+    import logging
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+    handler = Collect(level=logging.WARNING)
+    logging.getLogger().addHandler(handler)
+    try:
+        ctx.operator = OperatorThread()
+        ctx.operator.start()
+        spec = json.loads(json.dumps(CPU_SPEC))
+        spec["replicas"] = 2
+        spec["gateway"] = {"parentRefs": [{"name": "ai-gateway"}]}
+        spec["autoscaling"] = {"minReplicas": 2, "maxReplicas": 4}
+        spec["apiKeySecretRef"] = {"name": "does-not-need-to-be-read"}
+        ctx.apply_es("rbac", spec)
+        ctx.wait_condition("rbac", "RoutesReady", "True", timeout=90)
+        ctx.wait_condition("rbac", "MonitoringReady", "True", timeout=30)
+        ctx.policy.read_namespaced_pod_disruption_budget("rbac", NS)
+        ctx.custom.get_namespaced_custom_object("keda.sh", "v1alpha1", NS, "scaledobjects", "rbac")
+        # pruning (delete) and the LiteLLM ConfigMap under the same account
+        spec["autoscaling"]["minReplicas"] = 1
+        ctx.apply_es("rbac", spec)
+        wait_for("PDB pruned", lambda: not [p for p in ctx.policy.list_namespaced_pod_disruption_budget(NS).items
+                                            if p.metadata.name == "rbac"], 60)
+        ctx.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "rbac")
+        wait_for("LiteLLM entry removed", lambda: "embedops-rbac.yaml" not in (
+            ctx.core.read_namespaced_config_map("litellm-models", NS).data or {}), 60)
+        assert ctx.operator.alive()
+    finally:
+        logging.getLogger().removeHandler(handler)
+        os.environ["KUBECONFIG"] = admin_kubeconfig
+    forbidden = [r for r in records if "forbidden" in r.lower() or " 403" in r]
+    assert not forbidden, forbidden
