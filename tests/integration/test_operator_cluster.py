@@ -397,6 +397,8 @@ def test_missing_optional_crds_give_conditions_then_are_picked_up(ctx, operator)
 
 
 def test_delete_cascades(ctx, operator):
+    assert ctx.deployment("minilm").metadata.owner_references[0].kind == "EmbeddingService"
+    assert ctx.core.read_namespaced_service("minilm", NS)
     ctx.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "minilm")
 
     def gone():
@@ -477,5 +479,14 @@ def test_operator_works_with_only_the_charts_rbac(ctx, operator, tmp_path):
     finally:
         logging.getLogger().removeHandler(handler)
         os.environ["KUBECONFIG"] = admin_kubeconfig
+        rbac = client.RbacAuthorizationV1Api(ctx.api)
+        for d in docs:
+            try:
+                if d["kind"] == "ClusterRole":
+                    rbac.delete_cluster_role(d["metadata"]["name"])
+                elif d["kind"] == "ClusterRoleBinding":
+                    rbac.delete_cluster_role_binding(d["metadata"]["name"])
+            except Exception:  # noqa: BLE001 - best-effort cleanup of cluster-scoped objects
+                pass
     forbidden = [r for r in records if "forbidden" in r.lower() or " 403" in r]
     assert not forbidden, forbidden
