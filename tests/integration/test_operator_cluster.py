@@ -395,6 +395,22 @@ def test_missing_optional_crds_give_conditions_then_are_picked_up(ctx, operator)
     wait_for("HPA pruned", lambda: not [h for h in ctx.autoscaling.list_namespaced_horizontal_pod_autoscaler(
         NS).items if h.metadata.name == "opt"], 60)
 
+    # resyncs write nothing to the third-party children either (their CRDs default fields)
+    def rvs():
+        out = {"es": ctx.get_es("opt")["metadata"]["resourceVersion"],
+               "deploy": ctx.deployment("opt").metadata.resource_version}
+        for group, version, plural in [("monitoring.coreos.com", "v1", "servicemonitors"),
+                                       ("gateway.networking.k8s.io", "v1", "httproutes"),
+                                       ("keda.sh", "v1alpha1", "scaledobjects")]:
+            out[plural] = ctx.custom.get_namespaced_custom_object(group, version, NS, plural, "opt")[
+                "metadata"]["resourceVersion"]
+        return out
+    ctx.wait_condition("opt", "Ready", "True")
+    time.sleep(3)
+    before = rvs()
+    time.sleep(7)  # three resyncs
+    assert rvs() == before
+
 
 def test_delete_cascades(ctx, operator):
     assert ctx.deployment("minilm").metadata.owner_references[0].kind == "EmbeddingService"
