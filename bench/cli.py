@@ -441,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             for p in report.plots(res, out, stamp):
                 log("plot:", p)
     (out / name).write_text(json.dumps(res, indent=1, default=str))
-    (out / "latest.json").write_text(json.dumps(res, indent=1, default=str))
+    latest = "latest.json" if name.startswith("bench-") else name.split("-")[0] + "-latest.json"
+    (out / latest).write_text(json.dumps(res, indent=1, default=str))
     log("results:", out / name)
     return 0
