@@ -34,10 +34,14 @@ def free_slices(core) -> int:
 
 
 def settled(core) -> bool:
-    """No namespace being deleted and no pod terminating: slice accounting is stable."""
-    if any(n.status.phase == "Terminating" for n in core.list_namespace().items):
-        return False
-    return not any(p.metadata.deletion_timestamp for p in core.list_pod_for_all_namespaces().items)
+    """No pod holding a slice is on its way out (deleted, or in a namespace being deleted): slice
+    accounting is stable."""
+    terminating = {n.metadata.name for n in core.list_namespace().items if n.status.phase == "Terminating"}
+    for p in core.list_pod_for_all_namespaces().items:
+        holds = any(int(((c.resources and c.resources.limits) or {}).get(RESOURCE, "0")) for c in p.spec.containers)
+        if holds and (p.metadata.deletion_timestamp or p.metadata.namespace in terminating):
+            return False
+    return True
 
 
 def test_no_free_slice_ends_stalled(embsvc, operator):
