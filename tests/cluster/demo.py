@@ -138,7 +138,7 @@ def up() -> int:
         link.symlink_to(minilm_dir())
         pvc_vols = {v["name"] for v in dep["spec"]["template"]["spec"].get("volumes") or []
                     if v.get("persistentVolumeClaim")}
-        port = int(os.environ.get("EMBEDOPS_DEMO_PORT", "8080"))
+        port = _port(int(os.environ.get("EMBEDOPS_DEMO_PORT", "8080")))
         argv, senv = local_command(dep, volume_dirs={v: models for v in pvc_vols}, scratch=RUN / "volumes",
                                    port=port, secrets=secret_reader(core, NAMESPACE))
     srv_log = RUN / "server.log"
@@ -155,6 +155,19 @@ def up() -> int:
     print(f"  export KUBECONFIG={kubeconfig}; kubectl get embsvc -n {NAMESPACE}")
     print("  stop everything: make demo-down")
     return 0
+
+
+def _port(want: int) -> int:
+    """The wanted port if it is free on 127.0.0.1, else a free one."""
+    import socket
+
+    from tests.cluster.harness import free_port
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", want))
+            return want
+        except OSError:
+            return free_port()
 
 
 def _sa(core) -> bool:
