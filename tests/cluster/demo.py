@@ -39,10 +39,12 @@ def _save(st: dict) -> None:
 
 
 def _alive(pid: int, argv0: str) -> bool:
+    """pid runs argv0 (as the program, or as the script a shebang interpreter runs)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode() == argv0
+        cmd = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:2]]
     except (FileNotFoundError, PermissionError):
         return False
+    return argv0 in cmd
 
 
 def _stop(name: str, pid: int, argv0: str, timeout: float = 30) -> None:
