@@ -26,13 +26,23 @@ gpu_node="$(kubectl get nodes -l embedops.dev/pool=gpu -o name | head -1)"
 kubectl patch "$gpu_node" --subresource=status --type=merge \
   -p '{"status":{"capacity":{"nvidia.com/mig-1g.10gb":"7"},"allocatable":{"nvidia.com/mig-1g.10gb":"7"}}}'
 
-# Images: build and load when the Dockerfiles exist (the e2e suite runs the operator in-process
-# otherwise; serving pods are checked by scheduling/status, the serving path runs as a local process).
+# Images: build and load when the Dockerfiles exist. kind pods run real containers, so the operator
+# (run by the suite as a local process) is pointed at the locally built server image for CPU and GPU
+# pods alike (kind workers have no GPU), and the bundled MiniLM is copied to the hostPath the e2e
+# model PersistentVolume uses on every worker.
 for img in operator server; do
   if [ -f "$img/Dockerfile" ]; then
     docker build -t "embedops-$img:e2e" -f "$img/Dockerfile" .
     "$KIND" load docker-image "embedops-$img:e2e" --name "$CLUSTER"
   fi
+done
+if [ -f server/Dockerfile ]; then
+  export EMBEDOPS_SERVER_IMAGE_CPU=embedops-server:e2e EMBEDOPS_SERVER_IMAGE_CUDA=embedops-server:e2e
+fi
+minilm="$("$PY" -m tests.models minilm)"
+for n in $("$KIND" get nodes --name "$CLUSTER"); do
+  docker exec "$n" mkdir -p /var/lib/embedops-models
+  docker cp -L "$minilm" "$n:/var/lib/embedops-models/all-MiniLM-L6-v2"
 done
 
 EMBEDOPS_E2E_KUBECONFIG="$kc" "$PY" -m pytest tests/e2e -m cluster ${PYTEST_ARGS:-}
