@@ -417,6 +417,10 @@ def crd() -> dict:
     status_schema = openapi_schema(EmbeddingServiceStatus)
     spec_schema["description"] = "Desired state of an embeddings/reranker service."
     status_schema["description"] = "Observed state, kstatus-compatible (observedGeneration, Ready/Reconciling/Stalled)."
+    # Until the operator first writes status, a new object would look "Current" to kstatus (no conditions,
+    # no observedGeneration) and Flux health checks would pass at once. The API server defaults this on read,
+    # so a fresh object reads as "generation 1, observed 0": InProgress.
+    status_schema["default"] = {"observedGeneration": 0}
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",

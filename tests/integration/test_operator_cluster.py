@@ -232,6 +232,13 @@ def test_invalid_manifests_are_refused_with_the_cel_message(ctx):
     assert "1g.99gb" in msg and "Unsupported value" in msg
 
 
+def test_new_object_is_in_progress_before_the_operator_sees_it(ctx):
+    es = ctx.apply_es("early", {"model": {"id": "x"}, "accelerator": {"cpu": {}}})
+    assert es["status"] == {"observedGeneration": 0}  # the CRD's status default
+    assert kstatus_of(es) in ("InProgress", None)
+    ctx.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "early")
+
+
 def test_apply_creates_owned_children_and_becomes_ready(ctx, operator):
     es = ctx.apply_es("minilm", CPU_SPEC)
     uid = es["metadata"]["uid"]

@@ -72,8 +72,9 @@ def test_defaults_and_enums_in_schema():
     mig = props["accelerator"]["properties"]["mig"]
     assert "1g.18gb" in mig["properties"]["profile"]["enum"]
     assert mig["properties"]["strategy"]["default"] == "mixed"
-    conds = S.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"][
-        "conditions"]
+    status = S.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    assert status["default"] == {"observedGeneration": 0}  # a new object is InProgress for kstatus
+    conds = status["properties"]["conditions"]
     assert conds["x-kubernetes-list-type"] == "map" and conds["x-kubernetes-list-map-keys"] == ["type"]
 
 
