@@ -294,7 +294,7 @@ class Runner:
         for key, t in self.http_targets():
             reqs = [Request(t.embed_body(b), len(b), n) for b, n in zip(w.ingest_batches, w.counts["ingest_batches"])]
             self.http("3-ingest", key, t, reqs, 2, url=t.embed_url, check=t.embed_check,
-                      duration_s=120, max_requests=P.ingest_requests, warmup=1)
+                      duration_s=120, max_requests=P.ingest_requests, warmup=P.heavy_warmup)
 
     def s4(self):
         log("scenario 4: rerank, a query with 50 passages of 256 tokens")
@@ -322,7 +322,7 @@ class Runner:
         for key, t in self.http_targets(rerank=True):
             reqs = [Request(t.rerank_body(w.rerank_query, ps), len(ps), n) for ps, n in zip(w.rerank_passages, real)]
             self.http("4-rerank", key, t, reqs, 1, url=t.rerank_url, check=t.rerank_check,
-                      duration_s=120, max_requests=P.rerank_requests, warmup=1)
+                      duration_s=120, max_requests=P.rerank_requests, warmup=P.heavy_warmup)
         for key in [k for k in self.targets if k.endswith("/rerank")]:
             self.stop_target(key)
         for key in self.args.targets:
@@ -353,7 +353,7 @@ class Runner:
         for key, t in self.http_targets():
             reqs = [Request(t.embed_body([x]), 1, n) for x, n in zip(texts, counts)]
             self.http("5-mixed", key, t, reqs, W.MIXED_CLIENTS, url=t.embed_url, check=t.embed_check,
-                      duration_s=P.mixed_duration_s, max_requests=P.max_requests, warmup=8)
+                      duration_s=P.mixed_duration_s, max_requests=P.max_requests, warmup=4)
 
     # ------------------------------------------------------------------ main
     def run(self) -> dict:

@@ -18,12 +18,13 @@ class Profile:
     mixed_duration_s: float    # scenario 5
     both_tokenization: bool = True  # ceilings with tokenization included AND excluded for 4/5 too
     heavy_ceiling_iters: int = 3    # forwards timed per ceiling of scenarios 3-5 (seconds each on CPU)
+    heavy_warmup: int = 1           # unrecorded requests before scenarios 3-4 (servers warm up at startup)
 
 
 PROFILES = {
     "quick": Profile("quick", duration_s=3.0, max_requests=3000, ceiling_budget_s=1.5, concurrencies=[16, 64],
                      ingest_requests=3, rerank_requests=1, mixed_duration_s=4, both_tokenization=False,
-                     heavy_ceiling_iters=1),
+                     heavy_ceiling_iters=1, heavy_warmup=0),
     "full": Profile("full", duration_s=30, max_requests=50_000, ceiling_budget_s=8.0,
                     concurrencies=[4, 16, 32, 64], ingest_requests=24, rerank_requests=10,
                     mixed_duration_s=40),
