@@ -35,6 +35,9 @@ FLAGS = [
     ("--quantize", str, None, "int8: ONNX Runtime dynamic per-channel int8, refused below --int8-min-cosine"),
     ("--int8-min-cosine", float, 0.98, "minimum cosine vs float32 on the check sentences for int8"),
     ("--max-batch-tokens", int, 16384, "token budget per forward batch (padded: longest x count)"),
+    ("--max-forward-tokens", _opt_int, None,
+     "padded tokens per forward pass (default: the backend's efficient size on CPU, ONNX Runtime 1024, torch "
+     "2048; unlimited on CUDA); 0 = up to --max-batch-tokens"),
     ("--max-batch-requests", _opt_int, None, "maximum inputs per forward batch"),
     ("--max-concurrent-requests", int, 512, "admitted inputs in flight before answering 429"),
     ("--max-client-batch-size", int, 32, "maximum inputs per request"),

@@ -71,6 +71,13 @@ def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
     return TorchBackend(info, dtype=dtype, device=device, threads=threads if device == "cpu" else None)
 
 
+def forward_tokens(s: Settings, backend: Backend) -> int | None:
+    """Padded tokens per forward: the flag, else the backend's preference (None = up to max_batch_tokens)."""
+    if s.max_forward_tokens is not None:
+        return s.max_forward_tokens or None
+    return backend.preferred_batch_tokens
+
+
 def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
     t0 = time.perf_counter()
     info = load_model_info(s.model_id, s.pooling, s.revision)
@@ -91,7 +98,10 @@ def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
     tokenizers = TokenizerPool(str(info.path / "tokenizer.json"), workers)
     backend = make_backend(s, info, tokenizers.tokenizer)
     engine = Engine(backend, tokenizers, max_len, s.max_batch_tokens, s.max_batch_requests,
-                    s.max_concurrent_requests, stats)
+                    s.max_concurrent_requests, stats, forward_tokens=forward_tokens(s, backend))
     # Warm-up: a full budget on GPU (OOM shows at start, not under load); one max-length input on CPU.
     engine.warmup(s.max_batch_tokens if backend.device != "cpu" else max_len)
+    graphs = getattr(backend, "_graphs", None)
+    if graphs is not None:  # torch on CUDA: capture the one-query shapes now, not on the first request
+        graphs.capture_small(min(max_len, 128))
     return Service(s, info, backend, engine, tokenizers, max_len, time.perf_counter() - t0)

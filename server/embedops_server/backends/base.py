@@ -15,6 +15,9 @@ class Backend:
     pad_id = 0
     pooling: str | None = None
     hidden_size = 0
+    # Padded tokens per forward above which this backend gets no faster per token (CPU: slower, the attention
+    # and activations outgrow the caches). None: no preference, batches grow to --max-batch-tokens.
+    preferred_batch_tokens: int | None = None
 
     def bucket(self, rows: int, cols: int) -> tuple[int, int]:
         """Padded shape for a batch. CPU: exact. CUDA: a small set of shapes so captured graphs can be reused."""
@@ -22,6 +25,10 @@ class Backend:
 
     def forward(self, batch: Batch) -> BatchOutput:
         raise NotImplementedError
+
+    def memory_stats(self) -> dict[str, int] | None:
+        """GPU memory in bytes by kind (allocated, reserved, max_allocated); None on CPU."""
+        return None
 
 
 def pool_numpy(hidden: np.ndarray, mask: np.ndarray, lengths: np.ndarray, pooling: str) -> np.ndarray:

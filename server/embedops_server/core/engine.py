@@ -72,12 +72,13 @@ class EngineStats:
 
 class Engine:
     def __init__(self, backend, tokenizers: TokenizerPool, max_input_length: int, max_batch_tokens: int,
-                 max_batch_requests: int | None, max_concurrent_requests: int, stats: EngineStats | None = None):
+                 max_batch_requests: int | None, max_concurrent_requests: int, stats: EngineStats | None = None,
+                 forward_tokens: int | None = None):
         self.backend = backend
         self.tokenizers = tokenizers
         self.max_input_length = max_input_length
         self.max_concurrent = max_concurrent_requests
-        self.queue = BatchQueue(max_batch_tokens, max_batch_requests)
+        self.queue = BatchQueue(max_batch_tokens, max_batch_requests, forward_tokens)
         self.stats = stats or EngineStats()
         self.in_flight = 0  # admitted inputs not yet answered; touched only on the event loop
         self.draining = False

@@ -32,8 +32,13 @@ class Entry:
 
 
 class BatchQueue:
-    def __init__(self, max_batch_tokens: int, max_batch_requests: int | None):
+    """`max_batch_tokens` is the budget ceiling (TEI semantics); `forward_tokens`, when smaller, is the padded
+    size one forward pass should not exceed (a CPU backend's efficient size): batches are formed to it, the
+    oldest entry always going first even if it alone is longer."""
+
+    def __init__(self, max_batch_tokens: int, max_batch_requests: int | None, forward_tokens: int | None = None):
         self.max_batch_tokens = max_batch_tokens
+        self.forward_tokens = min(max_batch_tokens, forward_tokens or max_batch_tokens)
         self.max_batch_requests = max_batch_requests or 1 << 30
         self._fifo: deque[Entry] = deque()  # arrival order (taken entries are removed lazily)
         self._by_len: list[tuple[int, int, Entry]] = []  # sorted by (length, seq)
@@ -70,7 +75,7 @@ class BatchQueue:
         lo, hi = pos, pos + 1  # window [lo, hi) of the length-sorted list
         max_len, real, n = head.length, head.length, 1
         sl = self._by_len
-        budget, cap = self.max_batch_tokens, self.max_batch_requests
+        budget, cap = self.forward_tokens, self.max_batch_requests
         while n < cap:
             left = sl[lo - 1][0] if lo > 0 else None
             right = sl[hi][0] if hi < len(sl) else None
@@ -118,7 +123,7 @@ class BatchQueue:
                 continue
             new_max = max(max_len, e.length)
             padded = new_max * (n + 1)
-            if padded > self.max_batch_tokens or (
+            if padded > self.forward_tokens or (
                     padded > SMALL_BATCH_TOKENS and (real + e.length) / padded < MIN_EFFICIENCY):
                 continue  # it heads a later batch instead
             extra.append(e)

@@ -92,6 +92,7 @@ def create_app(settings: Settings, service=None) -> FastAPI:
         if st.service is not None:
             st.metrics.queue_size.set(len(st.service.engine.queue))
             st.metrics.in_flight.set(st.service.engine.in_flight)
+            st.metrics.update_gpu(st.service.backend.memory_stats())
         return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/info", tags=["Ops"], summary="Model and server configuration")

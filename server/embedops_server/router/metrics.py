@@ -84,5 +84,17 @@ class Metrics:
         self.in_flight = Gauge("te_in_flight_inputs", "Admitted inputs not yet answered (embedops addition)",
                                registry=r)
 
+        # Only exported when the backend runs on a GPU (torch on CUDA): set from the backend on each scrape.
+        self.gpu_memory = Gauge("embedops_gpu_memory_bytes",
+                                "GPU memory of this process by kind: allocated (tensors now), reserved (the "
+                                "caching allocator's pool), max_allocated (peak since start) (embedops addition)",
+                                ["kind"], registry=r)
+
+    def update_gpu(self, stats: dict | None) -> None:
+        if not stats:
+            return
+        for kind, v in stats.items():
+            self.gpu_memory.labels(kind=kind).set(v)
+
     def render(self) -> bytes:
         return self.c.render().encode() + generate_latest(self.registry)

@@ -1,0 +1,106 @@
+"""CPU forward cost model: padded tokens per forward capped below --max-batch-tokens, length-sorted micro-batches,
+per-shape torch threads, ONNX Runtime without a memory arena."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from embedops_server.backends.base import Backend
+from embedops_server.cli import parse_args
+from embedops_server.core.queue import BatchQueue, Entry
+from embedops_server.service import forward_tokens
+from embedops_server.settings import Settings
+
+
+class Req:
+    cancelled = False
+
+
+def entries(lengths):
+    r = Req()
+    return [Entry(r, i, [1] * n, [0] * n) for i, n in enumerate(lengths)]
+
+
+def drain(q):
+    out = []
+    while len(q):
+        b, _ = q.next_batch(timeout=0)
+        out.append(b)
+    return out
+
+
+def test_forward_cap_splits_one_request_into_length_sorted_micro_batches():
+    random.seed(5)
+    lengths = [random.randint(16, 512) for _ in range(32)]
+    q = BatchQueue(max_batch_tokens=16384, max_batch_requests=None, forward_tokens=1024)
+    assert q.max_batch_tokens == 16384 and q.forward_tokens == 1024  # the TEI budget is untouched
+    es = entries(lengths)
+    q.put_many(es)
+    batches = drain(q)
+    assert sorted(e.seq for b in batches for e in b) == sorted(e.seq for e in es)
+    for b in batches:
+        assert max(e.length for e in b) * len(b) <= 1024
+    real = sum(lengths)
+    padded = sum(max(e.length for e in b) * len(b) for b in batches)
+    assert real / padded >= 0.8  # long texts do not pad short ones
+
+
+def test_forward_cap_never_blocks_an_input_longer_than_the_cap():
+    q = BatchQueue(max_batch_tokens=16384, max_batch_requests=None, forward_tokens=256)
+    q.put_many(entries([512, 10, 10]))
+    b, _ = q.next_batch(timeout=0)
+    assert [e.length for e in b] == [512]  # the oldest goes alone, the short ones follow together
+    b, _ = q.next_batch(timeout=0)
+    assert [e.length for e in b] == [10, 10]
+
+
+def test_forward_cap_applies_to_top_up():
+    q = BatchQueue(max_batch_tokens=16384, max_batch_requests=None, forward_tokens=128)
+    q.put_many(entries([32, 32]))
+    batch, _ = q.next_batch(timeout=0)
+    q.put_many(entries([32, 32, 32]))
+    with q.cv:
+        extra, _ = q.top_up(batch)
+    assert len(batch) + len(extra) == 4 and len(q) == 1
+
+
+def test_forward_cap_above_budget_is_the_budget():
+    assert BatchQueue(512, None, forward_tokens=4096).forward_tokens == 512
+    assert BatchQueue(512, None).forward_tokens == 512
+
+
+def test_forward_tokens_setting():
+    class B(Backend):
+        preferred_batch_tokens = 1024
+
+    assert forward_tokens(Settings(), B()) == 1024  # default: the backend's preference
+    assert forward_tokens(Settings(max_forward_tokens=300), B()) == 300
+    assert forward_tokens(Settings(max_forward_tokens=0), B()) is None  # 0: up to --max-batch-tokens
+    assert forward_tokens(Settings(), Backend()) is None
+    assert parse_args(["--model-id", "m", "--max-forward-tokens", "2048"], environ={}).max_forward_tokens == 2048
+    assert parse_args(["--model-id", "m"], environ={"MAX_FORWARD_TOKENS": "0"}).max_forward_tokens == 0
+    assert parse_args(["--model-id", "m"], environ={}).max_forward_tokens is None
+
+
+def test_torch_cpu_uses_one_thread_for_tiny_forwards():
+    from embedops_server.backends import torch_backend as tb
+
+    b = tb.TorchBackend.__new__(tb.TorchBackend)
+    b.threads = 2
+    assert b.cpu_threads_for(1, 16) == 1 and b.cpu_threads_for(2, 32) == 1
+    assert b.cpu_threads_for(1, 128) == 2 and b.cpu_threads_for(8, 32) == 2
+
+
+def test_ort_session_has_no_memory_arena_and_a_forward_cap(monkeypatch):
+    from embedops_server.backends.ort_backend import OrtBackend
+    from embedops_server.core.model_info import load_model_info
+    from tests.models import minilm_onnx_dir
+
+    monkeypatch.delenv("EMBEDOPS_ORT_ARENA", raising=False)
+    info = load_model_info(str(minilm_onnx_dir()), "mean", "main")
+    b = OrtBackend(info, threads=1)
+    assert b.session.get_session_options().enable_cpu_mem_arena is False
+    assert b.preferred_batch_tokens == 1024
+    monkeypatch.setenv("EMBEDOPS_ORT_ARENA", "1")
+    assert OrtBackend(info, threads=1).session.get_session_options().enable_cpu_mem_arena is True
