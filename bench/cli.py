@@ -87,9 +87,8 @@ class Runner:
                 if name.startswith("embedops-"):
                     backend = name.split("+")[0].split("-", 1)[1]
                     if rerank:
-                        if backend != "onnx":
-                            continue  # one reranking embedops server is enough: the ONNX one
-                        t = embedops_target(self.model_dir, self.args.onnx_backend_name,
+                        bname = self.args.onnx_backend_name if backend == "onnx" else backend
+                        t = embedops_target(self.model_dir, bname,
                                             rerank_model=self.rerank_dir, log_dir=self.logs,
                                             name=name, extra_args=self.args.embedops_args)
                     else:
@@ -318,7 +317,7 @@ class Runner:
         except Exception as e:
             self.errors["4-rerank ceiling"] = f"{type(e).__name__}: {e}"
             log("rerank ceiling failed:", e)
-        self.start_targets([n for n in self.args.targets if n.startswith("embedops-onnx")], rerank=True)
+        self.start_targets([n for n in self.args.targets if n.startswith("embedops-")], rerank=True)
         for key, t in self.http_targets(rerank=True):
             reqs = [Request(t.rerank_body(w.rerank_query, ps), len(ps), n) for ps, n in zip(w.rerank_passages, real)]
             self.http("4-rerank", key, t, reqs, 1, url=t.rerank_url, check=t.rerank_check,

@@ -104,3 +104,22 @@ def test_ort_session_has_no_memory_arena_and_a_forward_cap(monkeypatch):
     assert b.preferred_batch_tokens == 1024
     monkeypatch.setenv("EMBEDOPS_ORT_ARENA", "1")
     assert OrtBackend(info, threads=1).session.get_session_options().enable_cpu_mem_arena is True
+
+
+def test_look_ahead_linger_is_bounded_and_only_under_load():
+    from embedops_server.core.engine import LINGER_MAX_S, linger_s
+
+    assert linger_s(0.030, 64, 1024, tokenizing=0) == 0  # nothing on its way: run now
+    assert linger_s(0.030, 64, 1024, tokenizing=3) == LINGER_MAX_S
+    assert linger_s(0.005, 64, 1024, tokenizing=3) == 0.1 * 0.005  # a tenth of a forward at most
+    assert linger_s(0.030, 600, 1024, tokenizing=3) == 0  # already past half its budget
+    assert linger_s(0.0, 64, 1024, tokenizing=3) == 0  # no forward timed yet
+
+
+def test_engine_counts_inputs_in_tokenization(minilm_ort):
+    import httpx
+    from tests.server.conftest import STATES
+
+    r = httpx.post(minilm_ort + "/embed", json={"inputs": ["a", "b", "c"]})
+    assert r.status_code == 200
+    assert STATES[minilm_ort].service.engine._tokenizing == 0  # every submitted input was accounted back

@@ -22,6 +22,20 @@ from .tokenization import EncodeJob, TokenizerPool
 
 log = logging.getLogger(__name__)
 
+# Look-ahead top-up: when the inference thread picks up the look-ahead batch while inputs are still being
+# tokenized (under concurrent load: the clients of the batch just answered sending their next texts), it waits
+# for them, at most this long and at most LINGER_FRACTION of a recent forward, and only while the batch is
+# under half its token budget. Never at concurrency 1 (no look-ahead batch exists there).
+LINGER_MAX_S = 0.002
+LINGER_FRACTION = 0.1
+
+
+def linger_s(forward_s: float, batch_tokens: int, budget_tokens: int, tokenizing: int) -> float:
+    """How long to wait for inputs in tokenization before running a look-ahead batch (0: run now)."""
+    if tokenizing <= 0 or batch_tokens * 2 >= budget_tokens or forward_s <= 0:
+        return 0.0
+    return min(LINGER_MAX_S, LINGER_FRACTION * forward_s)
+
 
 @dataclass
 class Batch:
@@ -89,6 +103,8 @@ class Engine:
         self._slot: tuple | None = None
         self._busy = False
         self._throughput = 0.0  # inputs/s, exponential moving average, for Retry-After
+        self._forward_s = 0.0  # seconds per forward, exponential moving average (look-ahead linger)
+        self._tokenizing = 0  # inputs submitted to the tokenizers and not yet queued (guarded by _cv)
         self._stop = False
         self._threads = [
             threading.Thread(target=self._batcher, name="batcher", daemon=True),
@@ -116,9 +132,14 @@ class Engine:
         """Queue admitted inputs; await `request.future`. Caller must have called admit(len(texts))."""
         loop = asyncio.get_running_loop()
         req = Request(loop, len(texts), need_tokens)
+        n = len(texts)
+        with self._cv:
+            self._tokenizing += n
 
         def tokenized(encs, err):  # runs on a tokenizer thread
             req.t_tokenized = time.perf_counter()
+            with self._cv:
+                self._tokenizing -= n
             if err is not None:
                 loop.call_soon_threadsafe(_fail, req, err)
                 return
@@ -173,6 +194,7 @@ class Engine:
                 if self._stop:
                     return None
                 if self._slot is not None:
+                    self._linger()
                     (entries, batch), self._slot = self._slot, None
                     extra, dropped = q.top_up(entries) if len(q) else ([], [])
                     self._busy = True
@@ -191,6 +213,19 @@ class Engine:
                 return item
             with cv:
                 self._busy = False
+
+    def _linger(self) -> None:
+        """Caller holds cv and a look-ahead batch is in the slot: give inputs being tokenized a moment to join."""
+        entries, batch = self._slot
+        wait = linger_s(self._forward_s, batch.input_ids.size, self.queue.forward_tokens, self._tokenizing)
+        if not wait:
+            return
+        deadline = time.perf_counter() + wait
+        while self._tokenizing > 0 and not self._stop:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self._cv.wait(left)
 
     def _build(self, entries: list[Entry]) -> Batch:
         n = len(entries)
@@ -246,6 +281,7 @@ class Engine:
         if dt > 0:
             rate = len(entries) / dt
             self._throughput = rate if not self._throughput else 0.8 * self._throughput + 0.2 * rate
+            self._forward_s = dt if not self._forward_s else 0.8 * self._forward_s + 0.2 * dt
         if finished:
             finished[0].loop.call_soon_threadsafe(_finish_all, finished)
 
