@@ -30,7 +30,8 @@ FLAGS = [
     ("--revision", str, "main", "model revision (informational: no hub is reachable)"),
     ("--pooling", str, None, "cls | mean | splade | last-token (default: from 1_Pooling/config.json)"),
     ("--dtype", str, None, "float32 | float16 | bfloat16 (default: float16 on CUDA, float32 on CPU)"),
-    ("--backend", str, "auto", "auto | torch | onnxruntime (auto: torch on CUDA, ONNX Runtime on CPU)"),
+    ("--backend", str, "auto", "auto | torch | onnxruntime | hybrid (auto: torch on CUDA and for rerankers on "
+     "CPU, else ONNX Runtime; hybrid: CPU, ONNX Runtime for inputs up to 128 tokens, torch for longer)"),
     ("--device", str, None, "cpu | cuda | cuda:N (default: cuda when available)"),
     ("--quantize", str, None, "int8: ONNX Runtime dynamic per-channel int8, refused below --int8-min-cosine"),
     ("--int8-min-cosine", float, 0.98, "minimum cosine vs float32 on the check sentences for int8"),

@@ -123,3 +123,57 @@ def test_engine_counts_inputs_in_tokenization(minilm_ort):
     r = httpx.post(minilm_ort + "/embed", json={"inputs": ["a", "b", "c"]})
     assert r.status_code == 200
     assert STATES[minilm_ort].service.engine._tokenizing == 0  # every submitted input was accounted back
+
+
+def test_info_reports_the_forward_cap(minilm_torch, minilm_ort):
+    import httpx
+
+    t = httpx.get(minilm_torch + "/info").json()
+    assert t["max_batch_tokens"] == 16384 and t["max_forward_tokens"] == 2048
+    assert httpx.get(minilm_ort + "/info").json()["max_forward_tokens"] == 1024
+
+
+def test_hybrid_dispatches_by_padded_length():
+    import numpy as np
+
+    from embedops_server.backends.hybrid import SHORT_MAX_COLS, HybridBackend
+    from embedops_server.core.engine import Batch, BatchOutput
+
+    class Fake(Backend):
+        def __init__(self, tag, pref=None):
+            self.tag, self.preferred_batch_tokens, self.task, self.hidden_size = tag, pref, "embedding", 4
+
+        def forward(self, batch):
+            return BatchOutput(np.full((batch.input_ids.shape[0], 1), self.tag, np.float32))
+
+    h = HybridBackend(Fake(1), Fake(2, 2048))
+    assert h.preferred_batch_tokens == 2048 and h.device == "cpu"
+
+    def run(rows, cols):
+        ids = np.ones((rows, cols), np.int64)
+        return h.forward(Batch(ids, ids, ids * 0, np.full(rows, cols))).pooled[0, 0]
+
+    assert run(1, 16) == 1 and run(32, SHORT_MAX_COLS) == 1  # short texts: ONNX Runtime
+    assert run(1, SHORT_MAX_COLS + 1) == 2 and run(4, 256) == 2  # long ones: torch
+
+
+def test_hybrid_server_matches_sentence_transformers(st_model):
+    import httpx
+    import numpy as np
+
+    from tests.models import minilm_dir
+    from tests.server.conftest import cosine, run_server
+
+    short, long = "What is the capital of France?", "Embeddings map sentences to vectors. " * 40
+    with run_server(model_id=str(minilm_dir()), backend="hybrid") as (url, st):
+        assert st.service.backend.name == "hybrid"
+        got = np.array(httpx.post(url + "/embed", json={"inputs": [short, long]}).json())
+    assert cosine(got, st_model.encode([short, long], normalize_embeddings=True)).min() >= 0.9999
+
+
+def test_auto_on_cpu_serves_rerankers_with_torch(reranker_dir):
+    from embedops_server.service import make_backend
+    from embedops_server.core.model_info import load_model_info
+
+    info = load_model_info(str(reranker_dir), None, "main")
+    assert make_backend(Settings(model_id=str(reranker_dir), device="cpu"), info, None).name == "torch"

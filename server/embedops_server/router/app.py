@@ -113,6 +113,7 @@ def create_app(settings: Settings, service=None) -> FastAPI:
             "int8_cosine": getattr(svc.backend, "int8_cosine", None),
             "max_concurrent_requests": s.max_concurrent_requests, "max_input_length": svc.max_input_length,
             "max_batch_tokens": s.max_batch_tokens, "max_batch_requests": s.max_batch_requests,
+            "max_forward_tokens": svc.engine.queue.forward_tokens,
             "max_client_batch_size": s.max_client_batch_size, "auto_truncate": s.auto_truncate,
             "tokenization_workers": len(svc.tokenizers._threads), "version": __version__, "sha": None,
             "docker_label": None, "prompts": sorted(i.prompts),
