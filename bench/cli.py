@@ -325,11 +325,11 @@ class Runner:
         for key in [k for k in self.targets if k.endswith("/rerank")]:
             self.stop_target(key)
         for key in self.args.targets:
-            if key not in ("infinity", "naive") and not any(r["target"] == key and r["scenario"] == "4-rerank"
-                                                              for r in self.rows):
+            if key not in ("infinity", "naive") and not any(
+                    r["target"].split("/")[0] == key and r["scenario"] == "4-rerank" for r in self.rows):
                 if key.startswith("embedops-torch"):
                     self.rows.append({"scenario": "4-rerank", "target": key, "kind": "http", "na":
-                                      "rerank measured on the ONNX embedops server only"})
+                                      "rerank server failed to start or answer"})
 
     def s5(self):
         log("scenario 5: mixed lengths 16-512 tokens, single texts from 32 clients")
