@@ -44,9 +44,17 @@ def settled(core) -> bool:
     return True
 
 
+def _t(msg, t0=[None]):
+    import time
+    t0[0] = t0[0] or time.monotonic()
+    print(f"[{time.monotonic() - t0[0]:6.1f}s] {msg}")
+
+
 def test_no_free_slice_ends_stalled(embsvc, operator):
+    _t("start")
     wait_for(lambda: settled(embsvc.core), timeout=120, what="earlier tests' namespaces to be deleted")
     free = free_slices(embsvc.core)
+    _t(f"settled, {free} free slices")
     assert free >= 1
     filler = mig_service("mig-filler", free)
     embsvc.create(filler)
@@ -56,6 +64,7 @@ def test_no_free_slice_ends_stalled(embsvc, operator):
         pytest.fail(f"filler never Ready: {embsvc.get('mig-filler').get('status')}\n{operator_log(operator)}")
     assert kstatus(obj)["status"] == "Current"
     assert free_slices(embsvc.core) == 0
+    _t("filler Ready")
 
     embsvc.create(mig_service("one-too-many", 1))
 
@@ -66,6 +75,7 @@ def test_no_free_slice_ends_stalled(embsvc, operator):
         obj = wait_for(stalled, timeout=120, what="one-too-many Stalled")
     except AssertionError:
         pytest.fail(f"not Stalled: {embsvc.get('one-too-many').get('status')}\n{operator_log(operator)}")
+    _t("one-too-many Stalled")
     st = condition(obj, "Stalled")
     assert st["reason"], st
     assert "mig" in (st.get("message") or "").lower() or "slice" in (st.get("message") or "").lower() \
@@ -78,6 +88,12 @@ def test_no_free_slice_ends_stalled(embsvc, operator):
 
     # freeing slices lets it through: the Stalled condition clears and it becomes Ready
     embsvc.delete("mig-filler")
-    obj = embsvc.wait_condition("one-too-many", "Ready", timeout=120)
+    wait_for(lambda: not embsvc.pods("mig-filler"), timeout=240, what="filler pods gone")
+    _t("filler pods gone")
+    wait_for(lambda: any(p.spec.node_name for p in embsvc.pods("one-too-many")), timeout=240,
+             what="one-too-many scheduled")
+    _t("one-too-many pod scheduled")
+    obj = embsvc.wait_condition("one-too-many", "Ready", timeout=240)
+    _t("one-too-many Ready after the filler went")
     assert not is_true(obj, "Stalled")
     assert kstatus(obj)["status"] == "Current"
