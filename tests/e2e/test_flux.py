@@ -66,7 +66,7 @@ def test_flux_kustomization_applies_examples_and_reports_ready(kube, embsvc, nam
                   if d and d["metadata"]["name"] == "embedding-services"][0]
         spec = dict(ks_doc["spec"])
         spec.pop("dependsOn", None)
-        spec.update({"interval": "1m", "retryInterval": "10s", "timeout": "3m", "wait": False,
+        spec.update({"interval": "1m", "retryInterval": "10s", "timeout": "5m", "wait": False,
                      "targetNamespace": namespace, "path": "./examples",
                      "healthChecks": [{"apiVersion": "embedops.dev/v1alpha1", "kind": "EmbeddingService",
                                        "name": n, "namespace": namespace} for n in healthy]})
@@ -86,9 +86,12 @@ def test_flux_kustomization_applies_examples_and_reports_ready(kube, embsvc, nam
             wait_for(lambda: ready("source.toolkit.fluxcd.io", "gitrepositories", "embedops"), timeout=120,
                      what="GitRepository Ready")
             obj = wait_for(lambda: ready("kustomize.toolkit.fluxcd.io", "kustomizations", "embedding-services"),
-                           timeout=240, what="Kustomization Ready (health checks passed)")
+                           timeout=360, what="Kustomization Ready (health checks passed)")
         except AssertionError as e:
-            pytest.fail(f"{e}\n{ctl.logs()}")
+            ks_now = co.get_namespaced_custom_object("kustomize.toolkit.fluxcd.io", "v1", namespace,
+                                                     "kustomizations", "embedding-services").get("status")
+            svcs = {n: (embsvc.get(n).get("status") or {}).get("conditions") for n in healthy}
+            pytest.fail(f"{e}\nKustomization status: {ks_now}\nEmbeddingServices: {svcs}\n{ctl.logs()}")
     assert "Applied revision" in condition(obj, "Ready")["message"] or condition(obj, "Ready")["reason"]
     for n in healthy:
         o = embsvc.get(n)
