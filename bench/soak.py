@@ -94,6 +94,6 @@ def run_soak(args) -> dict:
     print(f"soak {name} {args.soak:.0f}s: RSS start {res['rss_start_mb']:.1f} MB, end {res['rss_end_mb']:.1f} MB, "
           f"max {res['rss_max_mb']:.1f} MB; slope {res['slope_mb_per_min']:+.2f} MB/min overall, "
           f"{res['slope_second_half_mb_per_min']:+.2f} MB/min second half -> "
-          f"{'flat' if res['flat'] else 'GROWING'}; {st.ok} requests ok, {st.errors} errors, "
+          f"{'flat' if res['flat'] else ('GROWING' if res['slope_second_half_mb_per_min'] > 0 else 'shrinking')}; {st.ok} requests ok, {st.errors} errors, "
           f"{st.texts_s:.1f} texts/s")
     return res

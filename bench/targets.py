@@ -64,7 +64,7 @@ def tei_target(name: str, server: Server, rerank: bool) -> Target:
 def parse_variant(name: str) -> tuple[str, list[str], dict]:
     """``embedops-onnx+num-threads=1+ort=nospin`` -> ("embedops-onnx", ["--num-threads", "1"], env).
 
-    ``flag=value`` parts become server flags; ``ort=...`` sets ONNX Runtime session options through
+    ``flag=value`` parts become server flags, ``env.NAME=value`` environment variables; ``ort=...`` sets ONNX Runtime session options through
     bench/_patches (an experiment hook: measures a proposed server change without editing the server)."""
     base, *parts = name.split("+")
     args, env = [], {}
@@ -72,6 +72,8 @@ def parse_variant(name: str) -> tuple[str, list[str], dict]:
         k, _, v = p.partition("=")
         if k == "ort":
             env["EMBEDOPS_BENCH_ORT"] = v.replace(";", ",")
+        elif k.startswith("env."):  # embedops-torch+env.GOMP_SPINCOUNT=10000: an environment variable
+            env[k[4:]] = v
         else:
             args += [f"--{k}"] + ([v] if v else [])
     return base, args, env

@@ -34,7 +34,7 @@ def load_torch_model(info: ModelInfo, dtype: str = "float32", device: str = "cpu
 # the CLI so idle OpenMP threads leave the cores to the tokenizers and the event loop) each parallel region
 # wakes sleeping threads, which costs more than it saves on tiny matrices: one 16-token text 8 ms at 1 thread
 # vs 12-13 ms at 2 (MiniLM-L6, 2 shared cores); 2 threads win from ~64-128 padded tokens.
-SINGLE_THREAD_TOKENS = 64
+SINGLE_THREAD_TOKENS = int(os.environ.get("EMBEDOPS_TORCH_SINGLE_THREAD_TOKENS", "64"))
 
 
 # CUDA graphs: small batches are launch-bound (one 32-token query on bert-base: 8.0 ms eager, 0.71 ms replayed
