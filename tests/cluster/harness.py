@@ -5,7 +5,7 @@ random free ports), kube-controller-manager, kube-scheduler and kwok (a fake kub
 annotated ``kwok.x-k8s.io/node=fake``), writes an admin kubeconfig, waits until healthy and creates
 three simulated nodes:
 
-* ``gpu-h200-0``: ``nvidia.com/mig-1g.10gb: 7`` with the labels GPU feature discovery sets and the
+* ``gpu-h100-0``: ``nvidia.com/mig-1g.10gb: 7`` with the labels GPU feature discovery sets and the
   ``nvidia.com/gpu=present:NoSchedule`` taint,
 * ``cpu-amx-0``: Node Feature Discovery AMX/VNNI/AVX-512 labels,
 * ``cpu-plain-0``: no special labels.
@@ -157,19 +157,19 @@ def write_kubeconfig(path: Path, server: str, pki: Path) -> None:
 
 
 GPU_LABELS = {
-    # What NVIDIA GPU feature discovery (gpu-operator) publishes for an H200 in MIG "mixed" mode.
+    # What NVIDIA GPU feature discovery (gpu-operator) publishes for an H100-80GB in MIG "mixed" mode.
     "nvidia.com/gpu.present": "true",
-    "nvidia.com/gpu.product": "NVIDIA-H200",
+    "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
     "nvidia.com/gpu.family": "hopper",
     "nvidia.com/gpu.count": "1",
-    "nvidia.com/gpu.memory": "143771",
+    "nvidia.com/gpu.memory": "81559",
     "nvidia.com/mig.capable": "true",
     "nvidia.com/mig.strategy": "mixed",
     "nvidia.com/mig.config": "all-1g.10gb",
     "nvidia.com/mig.config.state": "success",
     "nvidia.com/mig-1g.10gb.count": "7",
     "nvidia.com/mig-1g.10gb.memory": "9984",
-    "nvidia.com/mig-1g.10gb.product": "NVIDIA-H200-MIG-1g.10gb",
+    "nvidia.com/mig-1g.10gb.product": "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb",
     "nvidia.com/mig-1g.10gb.slices.gi": "1",
     "nvidia.com/mig-1g.10gb.slices.ci": "1",
     "nvidia.com/mig-1g.10gb.engines.copy": "1",
@@ -210,7 +210,7 @@ def node_manifests() -> list[dict]:
                "nvidia.com/mig-1g.10gb": "7"}
     cpu_cap = {"cpu": "64", "memory": "256Gi", "pods": "110", "ephemeral-storage": "500Gi"}
     return [
-        node("gpu-h200-0", GPU_LABELS, gpu_cap,
+        node("gpu-h100-0", GPU_LABELS, gpu_cap,
              [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]),
         node("cpu-amx-0", AMX_LABELS, cpu_cap),
         node("cpu-plain-0", PLAIN_LABELS, {**cpu_cap, "cpu": "16", "memory": "64Gi"}),

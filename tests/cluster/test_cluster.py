@@ -69,10 +69,10 @@ def test_nodes_advertise_mig_nfd_and_taint(kube, core):
     if not kube.local:
         pytest.skip("kwok nodes exist only on the local control plane")
     nodes = {n.metadata.name: n for n in core.list_node().items}
-    assert {"gpu-h200-0", "cpu-amx-0", "cpu-plain-0"} <= set(nodes)
-    gpu = nodes["gpu-h200-0"]
+    assert {"gpu-h100-0", "cpu-amx-0", "cpu-plain-0"} <= set(nodes)
+    gpu = nodes["gpu-h100-0"]
     assert gpu.status.allocatable["nvidia.com/mig-1g.10gb"] == "7"
-    assert gpu.metadata.labels["nvidia.com/gpu.product"] == "NVIDIA-H200"
+    assert gpu.metadata.labels["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
     assert gpu.metadata.labels["nvidia.com/mig.strategy"] == "mixed"
     assert gpu.metadata.labels["nvidia.com/gpu.present"] == "true"
     assert [(t.key, t.value, t.effect) for t in gpu.spec.taints] == [("nvidia.com/gpu", "present", "NoSchedule")]
@@ -100,7 +100,7 @@ def test_mig_pods_schedule_until_slices_run_out(kube, core, namespace):
               and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])]
         return len(ok) == 7 and pods
     pods = wait_for(all_ready, what="7 MIG pods Running and Ready")
-    assert {p.spec.node_name for p in pods} == {"gpu-h200-0"}
+    assert {p.spec.node_name for p in pods} == {"gpu-h100-0"}
 
     core.create_namespaced_pod(namespace, _pod("mig-7", mig=1, tolerate_gpu=True))
 

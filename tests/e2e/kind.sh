@@ -21,7 +21,7 @@ kc="$(mktemp)"; "$KIND" get kubeconfig --name "$CLUSTER" > "$kc"
 export KUBECONFIG="$kc"
 [ "${KEEP_CLUSTER:-}" = 1 ] || trap '"$KIND" delete cluster --name "$CLUSTER"; rm -f "$kc"' EXIT
 
-# What NVIDIA's device plugin would advertise on a MIG-partitioned H200 (mixed strategy).
+# What NVIDIA's device plugin would advertise on a MIG-partitioned H100-80GB (mixed strategy).
 gpu_node="$(kubectl get nodes -l embedops.dev/pool=gpu -o name | head -1)"
 kubectl patch "$gpu_node" --subresource=status --type=merge \
   -p '{"status":{"capacity":{"nvidia.com/mig-1g.10gb":"7"},"allocatable":{"nvidia.com/mig-1g.10gb":"7"}}}'

@@ -1,6 +1,6 @@
 """examples/ applied to a real cluster with the operator running: placement, status, kstatus, children.
 
-On the local control plane the nodes are kwok's: `gpu-h200-0` (7 x nvidia.com/mig-1g.10gb, the GPU
+On the local control plane the nodes are kwok's: `gpu-h100-0` (7 x nvidia.com/mig-1g.10gb, the GPU
 taint), `cpu-amx-0` (NFD AMX/VNNI labels) and `cpu-plain-0`. On kind, kind-config.yaml's pools carry the
 same labels, taint and extended resource.
 """
@@ -108,7 +108,7 @@ def test_examples_place_report_ready_and_kstatus_current(kube, embsvc, namespace
                 assert p.spec.containers[0].resources.limits.get(f"nvidia.com/mig-{profile}")
                 assert labels.get("nvidia.com/gpu.present") == "true", (name, p.spec.node_name)
                 if kube.local:
-                    assert p.spec.node_name == "gpu-h200-0"
+                    assert p.spec.node_name == "gpu-h100-0"
             else:
                 for isa in d["spec"]["accelerator"]["cpu"].get("instructionSets") or []:
                     nfd = {"amx_int8": "AMXINT8", "amx_bf16": "AMXBF16", "avx512_vnni": "AVX512VNNI",

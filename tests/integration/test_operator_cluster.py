@@ -346,7 +346,7 @@ def test_mig_service_lands_on_a_slice(ctx, operator):
     assert d.spec.strategy.rolling_update.max_surge == 0
     pods = ctx.core.list_namespaced_pod(NS, label_selector="app.kubernetes.io/instance=bge").items
     if ctx.kube.local:
-        assert [p.spec.node_name for p in pods] == ["gpu-h200-0"]
+        assert [p.spec.node_name for p in pods] == ["gpu-h100-0"]
     ctx.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "bge")
     wait_for("bge pods gone", lambda: not ctx.core.list_namespaced_pod(
         NS, label_selector="app.kubernetes.io/instance=bge").items, 90)
