@@ -177,3 +177,25 @@ def test_auto_on_cpu_serves_rerankers_with_torch(reranker_dir):
 
     info = load_model_info(str(reranker_dir), None, "main")
     assert make_backend(Settings(model_id=str(reranker_dir), device="cpu"), info, None).name == "torch"
+
+
+def test_ort_one_thread_session_for_tiny_forwards(monkeypatch):
+    import numpy as np
+
+    from embedops_server.backends.ort_backend import OrtBackend
+    from embedops_server.core.engine import Batch
+    from embedops_server.core.model_info import load_model_info
+    from tests.models import minilm_onnx_dir
+
+    info = load_model_info(str(minilm_onnx_dir()), "mean", "main")
+    monkeypatch.setenv("EMBEDOPS_ORT_SMALL_TOKENS", "64")
+    b = OrtBackend(info, threads=2)
+    assert b.small_session is not None and b.small_session.get_session_options().intra_op_num_threads == 1
+    ids = np.array([[101, 7592, 2088, 102]], np.int64)
+    batch = Batch(ids, np.ones_like(ids), np.zeros_like(ids), np.array([4]))
+    small = b.forward(batch).pooled
+    b.small_session = None
+    assert np.allclose(small, b.forward(batch).pooled, atol=1e-5)  # same numbers either way
+    assert OrtBackend(info, threads=1).small_session is None  # one thread already: nothing to add
+    monkeypatch.setenv("EMBEDOPS_ORT_SMALL_TOKENS", "0")
+    assert OrtBackend(info, threads=2).small_session is None

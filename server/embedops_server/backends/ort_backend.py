@@ -27,6 +27,10 @@ CHECK_TEXTS = [
 ]
 
 
+SMALL_TOKENS = 0  # padded tokens up to which a forward runs on a one-thread session (0: off)
+SMALL_SESSION_MAX_BYTES = 200 << 20
+
+
 class OrtBackend(Backend):
     name = "onnxruntime"
     # Measured on 2 shared Xeon cores, MiniLM-L6, 256-token rows: 1-4 rows ~6100-6500 tokens/s, 16-32 rows
@@ -51,6 +55,7 @@ class OrtBackend(Backend):
         self._ort = ort
         self.threads = threads
         self.session = self._session(self.fp32_path)
+        self.model_path = self.fp32_path
         self.int8_cosine: float | None = None
         if quantize == "int8":
             q = quantize_int8(self.fp32_path, cache_dir(info, cache))
@@ -62,16 +67,27 @@ class OrtBackend(Backend):
                 raise RuntimeError(
                     f"int8 model fails the quality gate: min cosine {self.int8_cosine:.4f} < {int8_min_cosine}")
             self.session = qsession
+            self.model_path = Path(q)
             self.dtype = "int8"
+        # Tiny forwards (one short query) on a one-thread session: with spinning off, every parallel operator of
+        # an N-thread session wakes a sleeping worker, which costs more than it saves on a 16-token input.
+        # Costs a second copy of the weights, so only for models up to SMALL_SESSION_MAX_BYTES on disk.
+        self.small_tokens = int(os.environ.get("EMBEDOPS_ORT_SMALL_TOKENS", str(SMALL_TOKENS)))
+        self.small_session = None
+        path_used = self.model_path
+        if (self.small_tokens > 0 and (threads or 1) > 1 and path_used.exists()
+                and path_used.stat().st_size <= SMALL_SESSION_MAX_BYTES):
+            self.small_session = self._session(path_used, threads=1)
         self._inputs = {i.name for i in self.session.get_inputs()}
         self.hidden_size = int(info.config.get("hidden_size") or self.session.get_outputs()[0].shape[-1] or 0)
 
-    def _session(self, path: Path):
+    def _session(self, path: Path, threads: int | None = None):
         ort = self._ort
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if self.threads:
-            so.intra_op_num_threads = self.threads
+        threads = threads or self.threads
+        if threads:
+            so.intra_op_num_threads = threads
             so.inter_op_num_threads = 1
         so.log_severity_level = 3
         # No busy-wait between parallel sections: the spinning threads steal the cores that tokenization and
@@ -96,7 +112,8 @@ class OrtBackend(Backend):
         return session.run(None, self._feed(session, batch))[0]
 
     def forward(self, batch: Batch) -> BatchOutput:
-        out = self._run(self.session, batch)
+        small = self.small_session is not None and batch.input_ids.size <= self.small_tokens
+        out = self._run(self.small_session if small else self.session, batch)
         if self.task != EMBEDDER:
             return BatchOutput(out.astype(np.float32, copy=False))
         pooled = pool_numpy(out, batch.attention_mask, batch.lengths, self.pooling)
