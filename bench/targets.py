@@ -1,7 +1,6 @@
 """The HTTP targets: how to start each server, and the request bodies / response checks of each API."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess

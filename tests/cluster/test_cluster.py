@@ -5,23 +5,12 @@ checks (simulated nodes, their names) are skipped on other clusters.
 """
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.cluster
-
-
-def wait_for(fn, timeout=60.0, interval=0.25, what="condition"):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 @pytest.fixture

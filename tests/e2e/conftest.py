@@ -12,25 +12,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import functools
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from tests import waiting
+
 REPO = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "embedops.dev", "v1alpha1", "embeddingservices"
-
-
-def wait_for(fn, timeout=90.0, interval=0.5, what="condition"):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last seen: {last!r}")
+# Operator round trips on a loaded 2-core machine: a longer default than the cluster tests.
+wait_for = functools.partial(waiting.wait_for, timeout=90.0, interval=0.5)
 
 
 def condition(obj: dict, type_: str) -> dict | None:

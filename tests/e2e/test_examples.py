@@ -6,7 +6,6 @@ same labels, taint and extended resource.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import yaml

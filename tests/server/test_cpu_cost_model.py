@@ -4,30 +4,14 @@ from __future__ import annotations
 
 import random
 
-import pytest
 
 from embedops_server.backends.base import Backend
 from embedops_server.cli import parse_args
-from embedops_server.core.queue import BatchQueue, Entry
+from embedops_server.core.queue import BatchQueue
+
+from tests.server.queue_support import drain, entries
 from embedops_server.service import forward_tokens
 from embedops_server.settings import Settings
-
-
-class Req:
-    cancelled = False
-
-
-def entries(lengths):
-    r = Req()
-    return [Entry(r, i, [1] * n, [0] * n) for i, n in enumerate(lengths)]
-
-
-def drain(q):
-    out = []
-    while len(q):
-        b, _ = q.next_batch(timeout=0)
-        out.append(b)
-    return out
 
 
 def test_forward_cap_splits_one_request_into_length_sorted_micro_batches():

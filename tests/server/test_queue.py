@@ -3,24 +3,9 @@ from __future__ import annotations
 
 import random
 
-from embedops_server.core.queue import BatchQueue, Entry
+from embedops_server.core.queue import BatchQueue
 
-
-class Req:
-    cancelled = False
-
-
-def entries(lengths):
-    r = Req()
-    return [Entry(r, i, [1] * n, [0] * n) for i, n in enumerate(lengths)]
-
-
-def drain(q):
-    out = []
-    while len(q):
-        b, _ = q.next_batch(timeout=0)
-        out.append(b)
-    return out
+from tests.server.queue_support import drain, entries
 
 
 def test_budget_and_cap_respected():
