@@ -375,7 +375,7 @@ def test_mig_request_without_a_free_slice_is_stalled(ctx, operator):
     ctx.apply_es("greedy", spec)
     es = ctx.wait_condition("greedy", "Stalled", "True", timeout=120)
     stalled = {c["type"]: c for c in es["status"]["conditions"]}["Stalled"]
-    assert stalled["reason"] == "InsufficientAccelerator"
+    assert stalled["reason"] == "InsufficientAccelerator", stalled["message"]  # the scheduler's words
     assert "nvidia.com/mig-1g.10gb" in stalled["message"]
     assert kstatus_of(es) in ("Failed", None)
     ready = {c["type"]: c for c in es["status"]["conditions"]}["Ready"]
