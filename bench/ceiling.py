@@ -27,13 +27,10 @@ def n_threads() -> int:
 def server_onnx_file(model_dir: Path) -> Path | None:
     """The ONNX file the embedops server uses for ``model_dir`` (exporting it now if the server would)."""
     try:
-        from embedops_server.backends.onnx_export import cache_dir, export_onnx
+        from embedops_server.backends.onnx_export import model_file
         from embedops_server.core.model_info import load_model_info
 
-        info = load_model_info(model_dir)
-        if info.onnx_path is not None:
-            return Path(info.onnx_path)
-        return Path(export_onnx(info, cache_dir(info, None)))
+        return Path(model_file(load_model_info(model_dir)))
     except Exception:
         return None
 

@@ -31,7 +31,7 @@ def test_int8_quality_gate_and_export(int8_server, st_model):
     print("int8 cosines vs sentence-transformers:", cos.round(4))
     assert cos.min() >= 0.97
     # The float32 export written next to it matches sentence-transformers exactly.
-    exported = list(cache.rglob("model.onnx"))
+    exported = list(cache.rglob("model.eager.onnx"))
     assert exported, "export from torch weights did not happen"
     mi = load_model_info(minilm_dir())
     mi.onnx_path = exported[0]

@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
-def load_torch_model(info: ModelInfo, dtype: str = "float32", device: str = "cpu"):
+def load_torch_model(info: ModelInfo, dtype: str = "float32", device: str = "cpu", attention: str = "sdpa"):
     import torch
     from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
@@ -23,9 +23,9 @@ def load_torch_model(info: ModelInfo, dtype: str = "float32", device: str = "cpu
            CLASSIFIER: AutoModelForSequenceClassification}[info.task]
     kwargs = dict(dtype=getattr(torch, _DTYPES[dtype]))
     try:
-        model = cls.from_pretrained(str(info.path), attn_implementation="sdpa", **kwargs)
-    except (ValueError, ImportError) as e:  # architectures without an SDPA path
-        log.warning("SDPA attention unavailable (%s); using the default attention", e)
+        model = cls.from_pretrained(str(info.path), attn_implementation=attention, **kwargs)
+    except (ValueError, ImportError) as e:  # architectures without that attention path
+        log.warning("%s attention unavailable (%s); using the default attention", attention, e)
         model = cls.from_pretrained(str(info.path), **kwargs)
     return model.eval().to(device)
 
