@@ -163,7 +163,7 @@ def test_auto_on_cpu_serves_rerankers_with_torch(reranker_dir):
     assert make_backend(Settings(model_id=str(reranker_dir), device="cpu"), info, None).name == "torch"
 
 
-def test_ort_one_thread_session_for_tiny_forwards(monkeypatch):
+def test_ort_spinning_session_for_tiny_forwards(monkeypatch):
     import numpy as np
 
     from embedops_server.backends.ort_backend import OrtBackend
@@ -172,9 +172,11 @@ def test_ort_one_thread_session_for_tiny_forwards(monkeypatch):
     from tests.models import minilm_onnx_dir
 
     info = load_model_info(str(minilm_onnx_dir()), "mean", "main")
-    monkeypatch.setenv("EMBEDOPS_ORT_SMALL_TOKENS", "64")
-    b = OrtBackend(info, threads=2)
-    assert b.small_session is not None and b.small_session.get_session_options().intra_op_num_threads == 1
+    monkeypatch.delenv("EMBEDOPS_ORT_SMALL_TOKENS", raising=False)
+    b = OrtBackend(info, threads=2)  # on by default
+    opts = b.small_session.get_session_options()
+    assert opts.intra_op_num_threads == 2 and opts.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    assert b.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
     ids = np.array([[101, 7592, 2088, 102]], np.int64)
     batch = Batch(ids, np.ones_like(ids), np.zeros_like(ids), np.array([4]))
     small = b.forward(batch).pooled

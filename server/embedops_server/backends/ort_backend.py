@@ -10,7 +10,7 @@ import numpy as np
 from ..core.engine import Batch, BatchOutput
 from ..core.model_info import EMBEDDER, ModelInfo
 from .base import Backend, pool_numpy, split_tokens
-from .onnx_export import cache_dir, export_onnx, quantize_int8
+from .onnx_export import cache_dir, model_file, quantize_int8
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ CHECK_TEXTS = [
 ]
 
 
-SMALL_TOKENS = 0  # padded tokens up to which a forward runs on a one-thread session (0: off)
+SMALL_TOKENS = 64  # padded tokens up to which a forward runs on the spinning latency session (0: off)
 SMALL_SESSION_MAX_BYTES = 200 << 20
 
 
@@ -46,12 +46,7 @@ class OrtBackend(Backend):
         self.task = info.task
         self.pooling = info.pooling
         self.pad_id = int(info.config.get("pad_token_id") or 0)
-        path = info.onnx_path
-        if path is None:
-            if not info.has_torch_weights:
-                raise RuntimeError(f"{info.path} has no ONNX model and no torch weights to export from")
-            path = export_onnx(info, cache_dir(info, cache))
-        self.fp32_path = Path(path)
+        self.fp32_path = model_file(info, cache)
         self._ort = ort
         self.threads = threads
         self.session = self._session(self.fp32_path)
@@ -69,19 +64,21 @@ class OrtBackend(Backend):
             self.session = qsession
             self.model_path = Path(q)
             self.dtype = "int8"
-        # Tiny forwards (one short query) on a one-thread session: with spinning off, every parallel operator of
-        # an N-thread session wakes a sleeping worker, which costs more than it saves on a 16-token input.
-        # Costs a second copy of the weights, so only for models up to SMALL_SESSION_MAX_BYTES on disk.
+        # Tiny forwards (one short query) on a second session whose threads spin-wait: the main session's threads
+        # sleep between parallel operators (see _session) and waking them costs ~1 ms per 16-token text (MiniLM-L6,
+        # 2 cores: 3.4 -> 2.5 ms). Spinning for a few-ms forward costs little; for big batches it would steal
+        # the cores tokenization and the event loop need. Costs a second copy of the weights, so only for
+        # models up to SMALL_SESSION_MAX_BYTES on disk. EMBEDOPS_ORT_SMALL_TOKENS=0 turns it off.
         self.small_tokens = int(os.environ.get("EMBEDOPS_ORT_SMALL_TOKENS", str(SMALL_TOKENS)))
         self.small_session = None
         path_used = self.model_path
         if (self.small_tokens > 0 and (threads or 1) > 1 and path_used.exists()
                 and path_used.stat().st_size <= SMALL_SESSION_MAX_BYTES):
-            self.small_session = self._session(path_used, threads=1)
+            self.small_session = self._session(path_used, spin=True)
         self._inputs = {i.name for i in self.session.get_inputs()}
         self.hidden_size = int(info.config.get("hidden_size") or self.session.get_outputs()[0].shape[-1] or 0)
 
-    def _session(self, path: Path, threads: int | None = None):
+    def _session(self, path: Path, threads: int | None = None, spin: bool | None = None):
         ort = self._ort
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -93,8 +90,9 @@ class OrtBackend(Backend):
         # No busy-wait between parallel sections: the spinning threads steal the cores that tokenization and
         # the event loop need (measured on 2 shared cores: +40-50% saturated throughput without it).
         # EMBEDOPS_ORT_SPIN=1 restores ORT's default for dedicated, latency-bound machines.
-        if os.environ.get("EMBEDOPS_ORT_SPIN", "0") != "1":
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if spin is None:
+            spin = os.environ.get("EMBEDOPS_ORT_SPIN", "0") == "1"
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         # No CPU memory arena: the arena keeps the buffers of the largest batch ever seen (RSS 853 -> 1247 MB in
         # a soak; 185 -> 2208 MB after one 32 x 512 batch, back to 188 MB without it) and small batches are
         # no slower without it. EMBEDOPS_ORT_ARENA=1 turns it back on.
