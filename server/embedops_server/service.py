@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .backends.base import Backend, cpu_threads
 from .core.engine import Engine, EngineStats
-from .core.model_info import RERANKER, ModelError, ModelInfo, load_model_info
+from .core.model_info import ModelError, ModelInfo, load_model_info
 from .core.tokenization import TokenizerPool
 from .settings import Settings
 
@@ -41,11 +41,8 @@ def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
     if kind == "auto":
         if device.startswith("cuda") or s.dtype not in (None, "float32"):
             kind = "torch"  # ONNX Runtime here runs float32 only
-        elif info.task == RERANKER and info.has_torch_weights and not s.quantize:
-            # Query + passage pairs are long (~300 tokens): there torch is 25-40% faster than ONNX Runtime on
-            # CPU (50 x 287 pairs: 1.9 s vs 2.7 s side by side, docs/bench.md), and short-query latency,
-            # where ONNX Runtime wins, does not apply.
-            kind = "torch"
+        # CPU: ONNX Runtime for every task. Since the export uses eager attention it is also the faster one on
+        # long rerank pairs (50 x 287: 1.64 s vs 1.97 s and 1.93 vs 2.57 side by side, docs/bench.md).
         elif info.onnx_path is not None or info.has_torch_weights:
             kind = "onnxruntime"
         else:

@@ -155,12 +155,12 @@ def test_hybrid_server_matches_sentence_transformers(st_model):
     assert cosine(got, st_model.encode([short, long], normalize_embeddings=True)).min() >= 0.9999
 
 
-def test_auto_on_cpu_serves_rerankers_with_torch(reranker_dir):
+def test_auto_on_cpu_serves_rerankers_with_onnxruntime(reranker_dir):
     from embedops_server.service import make_backend
     from embedops_server.core.model_info import load_model_info
 
     info = load_model_info(str(reranker_dir), None, "main")
-    assert make_backend(Settings(model_id=str(reranker_dir), device="cpu"), info, None).name == "torch"
+    assert make_backend(Settings(model_id=str(reranker_dir), device="cpu"), info, None).name == "onnxruntime"
 
 
 def test_ort_spinning_session_for_tiny_forwards(monkeypatch):
