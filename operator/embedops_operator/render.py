@@ -198,6 +198,8 @@ def _args(spec: S.EmbeddingServiceSpec) -> list[str]:
              "--auto-truncate", "true" if b.auto_truncate else "false"]
     if b.max_batch_requests:
         args += ["--max-batch-requests", str(b.max_batch_requests)]
+    if m.quantize:
+        args += ["--quantize", m.quantize]
     if spec.accelerator.cpu:  # intra-op threads match the CPU limit
         args += ["--num-threads", str(spec.accelerator.cpu.cores)]
     # SIGTERM arrives after the preStop sleep; in-flight requests get the rest of the grace period

@@ -137,6 +137,10 @@ class ModelSpec(Model):
     pooling: Literal["cls", "mean", "splade", "last-token"] | None = Field(None, description="Pooling override.")
     dtype: Literal["float16", "float32", "bfloat16"] | None = Field(
         None, description="Weights dtype; default float16 on GPU/MIG, float32 on CPU.")
+    quantize: Literal["int8"] | None = Field(
+        None, description="CPU only: int8 weights on ONNX Runtime (per-channel dynamic quantization; the server "
+                          "refuses to start if its outputs drift below cosine 0.98 of float32). ~1.7-1.9x float32 "
+                          "throughput on AVX-512 VNNI cores.")
     served_model_name: str | None = Field(None, description="Model name reported on OpenAI routes.")
     max_input_length: int | None = Field(None, ge=1, description="Longest input (tokens) the service must accept.")
     prompts: Prompts | None = None
@@ -274,6 +278,10 @@ class EmbeddingServiceSpec(Model):
                 reason="FieldValueInvalid"),
             cel("!has(self.accelerator.cpu) || !has(self.model.dtype) || self.model.dtype != 'float16'",
                 "model.dtype float16 is not supported on CPU; use float32 or bfloat16"),
+            cel("!has(self.model.quantize) || has(self.accelerator.cpu)",
+                "model.quantize int8 runs on CPU (ONNX Runtime); GPU and MIG serve float16 or bfloat16"),
+            cel("!has(self.model.quantize) || !has(self.model.dtype) || self.model.dtype == 'float32'",
+                "model.quantize int8 needs model.dtype float32 (or unset)"),
             cel("!has(self.autoscaling) || self.autoscaling.minReplicas > 0 || self.autoscaling.provider != 'hpa'",
                 "autoscaling.minReplicas 0 (scale to zero) needs provider keda or auto"),
         ]})

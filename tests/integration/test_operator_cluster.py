@@ -228,6 +228,9 @@ def test_invalid_manifests_are_refused_with_the_cel_message(ctx):
     assert "batching.maxBatchTokens must be at least model.maxInputLength (the longest accepted input)" in msg
     msg = _create_raw(ctx, "bad-dtype", {"model": {"id": "x", "dtype": "float16"}, "accelerator": {"cpu": {}}})
     assert "float16 is not supported on CPU" in msg
+    msg = _create_raw(ctx, "bad-int8", {"model": {"id": "x", "quantize": "int8"},
+                                        "accelerator": {"mig": {"profile": "1g.10gb"}}})
+    assert "model.quantize int8 runs on CPU (ONNX Runtime)" in msg
     msg = _create_raw(ctx, "bad-enum", {"model": {"id": "x"}, "accelerator": {"mig": {"profile": "1g.99gb"}}})
     assert "1g.99gb" in msg and "Unsupported value" in msg
 

@@ -69,6 +69,10 @@ def test_cpu_nfd_selectors_threads_and_surge():
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == env["ORT_NUM_THREADS"] == "6"
     assert arg(c, "--dtype") == "float32"
     assert arg(c, "--num-threads") == "6"
+    assert "--quantize" not in c["args"]
+    int8 = copy.deepcopy(CPU)
+    int8["model"]["quantize"] = "int8"
+    assert arg(container(render(int8)), "--quantize") == "int8"
     assert "tolerations" not in pod
     assert by_kind(out)["Deployment"]["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     assert not any(v["name"] == "dshm" for v in pod["volumes"])

@@ -74,6 +74,15 @@ def test_float16_refused_on_cpu():
     assert errs == ["spec: Invalid value: model.dtype float16 is not supported on CPU; use float32 or bfloat16"]
 
 
+def test_int8_only_on_cpu_in_float32():
+    assert errors_of(with_(CPU, model__quantize="int8")) == []
+    assert errors_of(with_(MIG, model__quantize="int8")) == [
+        "spec: Invalid value: model.quantize int8 runs on CPU (ONNX Runtime); GPU and MIG serve float16 or bfloat16"]
+    assert errors_of(with_(CPU, model__quantize="int8", model__dtype="bfloat16")) == [
+        "spec: Invalid value: model.quantize int8 needs model.dtype float32 (or unset)"]
+    assert any("Unsupported value: 'int4'" in e for e in errors_of(with_(CPU, model__quantize="int4")))
+
+
 def test_autoscaling_bounds():
     errs = errors_of(with_(MIG, autoscaling={"minReplicas": 5, "maxReplicas": 2}))
     assert "autoscaling: minReplicas must not exceed maxReplicas" in errs[0]
