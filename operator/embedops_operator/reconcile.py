@@ -4,9 +4,11 @@ Kept free of kopf so it can be driven by handlers, the resync loop and tests ali
 """
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import os
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -19,6 +21,8 @@ from . import spec as S
 from . import status as ST
 
 log = logging.getLogger("embedops.reconcile")
+# lastTransitionTime has one-second resolution: recheck a little after the stall deadline, not on it.
+RECHECK_MARGIN = 1.0
 
 
 @dataclass
@@ -49,6 +53,7 @@ class Reconciler:
         self.settings = settings or Settings()
         self._locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
         self._guard = threading.Lock()
+        self._timers: dict[tuple[str, str], tuple[float, threading.Timer]] = {}
 
     def _lock(self, key: tuple[str, str]) -> threading.Lock:
         with self._guard:
@@ -90,7 +95,35 @@ class Reconciler:
                             self.kube.forget_capabilities()
             observed.deployment = self.kube.get("apps/v1", "Deployment", namespace, name)
             observed.pods = self.kube.list("v1", "Pod", namespace, R.selector_string(name))
-            return self.write_status(resource, observed, options)
+            written = self.write_status(resource, observed, options)
+            wait = ST.stall_check_in(observed.pods, dt.datetime.now(dt.timezone.utc), self.settings.stall_after)
+            if wait is not None:
+                self._recheck((namespace, name), wait + RECHECK_MARGIN)
+            return written
+
+    def _recheck(self, key: tuple[str, str], delay: float) -> None:
+        """Reconcile `key` (status only) after `delay` s; one pending timer per object, the earliest wins."""
+        due = time.monotonic() + delay
+        with self._guard:
+            pending = self._timers.get(key)
+            if pending and pending[1].is_alive() and pending[0] <= due:
+                return
+            if pending:
+                pending[1].cancel()
+
+            def fire() -> None:
+                with self._guard:
+                    if self._timers.get(key, (None, None))[1] is timer:
+                        del self._timers[key]
+                try:
+                    self.reconcile(*key, apply_children=False)
+                except Exception:  # noqa: BLE001 - the resync loop retries
+                    log.exception("status recheck of %s/%s failed", *key)
+
+            timer = threading.Timer(delay, fire)
+            timer.daemon = True
+            self._timers[key] = (due, timer)
+            timer.start()
 
     def write_status(self, resource: dict, observed: ST.Observed, options: R.Options) -> dict | None:
         new = ST.normalized(ST.compute(resource, observed, options, stall_after=self.settings.stall_after))
@@ -120,3 +153,6 @@ class Reconciler:
             A.remove_litellm_entry(self.kube, namespace, ll, name)
         with self._guard:
             self._locks.pop((namespace, name), None)
+            pending = self._timers.pop((namespace, name), None)
+        if pending:
+            pending[1].cancel()

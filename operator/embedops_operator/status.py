@@ -37,20 +37,44 @@ def _fmt(now: dt.datetime) -> str:
     return now.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _unschedulable(pod: dict) -> dict | None:
+    """The pod's PodScheduled=False/Unschedulable condition (None for pods being deleted)."""
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return None
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
+                and cond.get("reason") == "Unschedulable":
+            return cond
+    return None
+
+
+def stall_check_in(pods: list[dict], now: dt.datetime, stall_after: float) -> float | None:
+    """Seconds until the next unschedulable pod has waited `stall_after` (status must be recomputed then: no
+    event marks that moment); None when no pod is waiting to cross it."""
+    waits = []
+    for pod in pods:
+        cond = _unschedulable(pod)
+        if cond is not None:
+            since = _parse_time(cond.get("lastTransitionTime")) or now
+            left = stall_after - (now - since).total_seconds()
+            if left > 0:
+                waits.append(left)
+    return min(waits) if waits else None
+
+
 def _pod_problem(pods: list[dict], now: dt.datetime, stall_after: float) -> tuple[str, str] | None:
     """The first terminal-looking pod problem: (reason, message)."""
     for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("name", "")):
         if pod.get("metadata", {}).get("deletionTimestamp"):
             continue
         st = pod.get("status") or {}
-        for cond in st.get("conditions") or []:
-            if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
-                    and cond.get("reason") == "Unschedulable":
-                since = _parse_time(cond.get("lastTransitionTime")) or now
-                if (now - since).total_seconds() >= stall_after:
-                    msg = cond.get("message", "")
-                    reason = "InsufficientAccelerator" if "nvidia.com/" in msg else "Unschedulable"
-                    return reason, f"pod {pod['metadata']['name']} cannot be scheduled: {msg}"
+        cond = _unschedulable(pod)
+        if cond is not None:
+            since = _parse_time(cond.get("lastTransitionTime")) or now
+            if (now - since).total_seconds() >= stall_after:
+                msg = cond.get("message", "")
+                reason = "InsufficientAccelerator" if "nvidia.com/" in msg else "Unschedulable"
+                return reason, f"pod {pod['metadata']['name']} cannot be scheduled: {msg}"
         for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
             waiting = (cs.get("state") or {}).get("waiting") or {}
             why = waiting.get("reason", "")

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import datetime as dt
+import time
 
 import pytest
 
@@ -261,3 +263,26 @@ def test_deleted_service_removes_its_litellm_key(kube):
     rec.forget("ml", "a", body)
     assert applied == [({"apiVersion": "v1", "kind": "ConfigMap",
                          "metadata": {"name": "litellm", "namespace": "ml"}}, "embedops-litellm-a")]
+
+
+def test_stalled_is_written_when_the_grace_period_ends_without_another_event(kube):
+    """No event marks the moment a pending pod has waited stallAfterSeconds: the reconciler sets a timer."""
+    kube.create_service(copy.deepcopy(MIG))
+    rec = Reconciler(kube, Settings(stall_after=3.0, resync_seconds=3600))
+    rec.reconcile("ml", "svc")
+    since = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    labels = kube.get("apps/v1", "Deployment", "ml", "svc")["spec"]["selector"]["matchLabels"]
+    kube.objects[("v1", "Pod", "ml", "svc-1")] = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "svc-1", "namespace": "ml", "labels": labels},
+        "status": {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                   "lastTransitionTime": since,
+                                   "message": "0/3 nodes are available: 1 Insufficient nvidia.com/mig-1g.10gb"}]}}
+    rec.reconcile("ml", "svc", apply_children=False)  # the pod event
+    stalled = lambda: {c["type"]: c for c in kube.get(  # noqa: E731
+        "embedops.dev/v1alpha1", "EmbeddingService", "ml", "svc")["status"]["conditions"]}["Stalled"]
+    assert stalled()["status"] == "False"
+    deadline = time.monotonic() + 10
+    while stalled()["status"] == "False" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stalled()["status"] == "True" and stalled()["reason"] == "InsufficientAccelerator"
+    assert not rec._timers  # fired and cleared; nothing left pending

@@ -111,6 +111,20 @@ def test_no_free_mig_slice_stalls_after_grace():
     assert conds(compute(MIG, obs, stall_after=60))["Stalled"] == ("True", "Unschedulable")
 
 
+def test_stall_check_in_says_when_the_grace_period_ends():
+    def at(seconds_ago):
+        return (NOW - dt.timedelta(seconds=seconds_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    msg = "0/3 nodes are available: 1 Insufficient nvidia.com/mig-1g.10gb"
+    assert ST.stall_check_in([], NOW, 60) is None
+    assert ST.stall_check_in([pod(waiting="CrashLoopBackOff")], NOW, 60) is None
+    assert ST.stall_check_in([pod(scheduled=(msg, at(20)))], NOW, 60) == 40
+    assert ST.stall_check_in([pod("a", scheduled=(msg, at(20))), pod("b", scheduled=(msg, at(50)))], NOW, 60) == 10
+    assert ST.stall_check_in([pod(scheduled=(msg, at(90)))], NOW, 60) is None  # already Stalled
+    gone = pod(scheduled=(msg, at(20)))
+    gone["metadata"]["deletionTimestamp"] = at(1)
+    assert ST.stall_check_in([gone], NOW, 60) is None
+
+
 def test_rollout_blocked_by_accelerator():
     since = (NOW - dt.timedelta(seconds=900)).strftime("%Y-%m-%dT%H:%M:%SZ")
     dep = deployment(replicas=1, ready=0, updated=1, conditions=[
