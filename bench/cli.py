@@ -21,7 +21,7 @@ from .models import minilm_cross_encoder, minilm_dir
 from .textgen import TextGen, load_tokenizer
 from . import workloads as W
 
-ALL_TARGETS = ["embedops-onnx", "embedops-torch", "infinity", "naive"]
+ALL_TARGETS = ["embedops-onnx", "embedops-onnx+quantize=int8", "embedops-torch", "infinity", "naive"]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
