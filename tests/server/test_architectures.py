@@ -70,7 +70,7 @@ def test_architecture_matches_transformers(arch, arch_dirs):
         assert cosine(vec, h.mean(0).numpy()) >= 0.9999, arch
 
 
-@pytest.mark.parametrize("arch", ["xlm-roberta", "distilbert", "modernbert"])
+@pytest.mark.parametrize("arch", ["roberta", "xlm-roberta", "mpnet", "distilbert", "modernbert"])
 def test_auto_backend_on_cpu_exports_to_onnx(arch, arch_dirs, tmp_path):
     """--backend auto on CPU: ONNX Runtime with an export made at start (torch only if export fails)."""
     d = arch_dirs[arch]
