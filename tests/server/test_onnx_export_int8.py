@@ -65,3 +65,32 @@ def test_int8_refused_when_gate_unmet(int8_server):
         assert r.status_code == 503 and "quality gate" in r.json()["error"]
         r = httpx.post(url2 + "/embed", json={"inputs": "x"})
         assert r.status_code == 503 and r.json()["error_type"] == "Unhealthy"
+
+
+def test_int8_gate_on_reranker_scores_is_a_correlation(reranker_dir, tmp_path):
+    """A reranker row has one logit, whose own cosine is only its sign (always 1 unless it flips): the gate
+    compares the score vectors across query-passage pairs instead (Pearson correlation)."""
+    import tokenizers
+
+    from embedops_server.backends import ort_backend as OB
+
+    info = load_model_info(str(reranker_dir), None, "main")
+    tok = tokenizers.Tokenizer.from_file(str(reranker_dir / "tokenizer.json"))
+    tok.no_padding()
+    be = OrtBackend(info, threads=1, quantize="int8", cache=str(tmp_path), int8_min_cosine=-1.0, tokenizer=tok)
+    fp32 = be._session(be.fp32_path)
+    assert be._compare(fp32, fp32, tok) == pytest.approx(1.0)
+    # the same number computed here: correlation of float32 and int8 scores over the gate's pairs
+    pairs = [(q, t) for q in OB.CHECK_TEXTS[:4] for t in OB.CHECK_TEXTS]
+    encs = tok.encode_batch(pairs)
+    L = max(len(e.ids) for e in encs)
+    feed = {k: np.zeros((len(encs), L), np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")}
+    for i, e in enumerate(encs):
+        n = len(e.ids)
+        feed["input_ids"][i, :n], feed["token_type_ids"][i, :n], feed["attention_mask"][i, :n] = e.ids, e.type_ids, 1
+    scores = [sess.run(None, {i.name: feed[i.name] for i in sess.get_inputs()})[0][:, 0].astype(np.float64)
+              for sess in (fp32, be.session)]
+    corr = float(np.corrcoef(scores[0], scores[1])[0, 1])
+    print("int8 reranker score correlation:", be.int8_cosine, "recomputed:", corr)
+    assert be.int8_cosine == pytest.approx(corr, abs=1e-3)
+    assert be.int8_cosine < 0.9999  # int8 moves the scores; the old per-row cosine said exactly 1.0

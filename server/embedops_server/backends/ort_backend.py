@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.engine import Batch, BatchOutput
-from ..core.model_info import EMBEDDER, ModelInfo
+from ..core.model_info import EMBEDDER, RERANKER, SPARSE, ModelInfo
 from .base import Backend, pool_numpy, split_tokens
 from .onnx_export import cache_dir, model_file, quantize_int8
 
@@ -56,11 +56,11 @@ class OrtBackend(Backend):
             q = quantize_int8(self.fp32_path, cache_dir(info, cache))
             qsession = self._session(q)
             self.int8_cosine = self._compare(self.session, qsession, tokenizer)
-            log.info("int8 quality check: min cosine %.4f vs float32 over %d sentences",
-                     self.int8_cosine, len(CHECK_TEXTS))
+            metric = "min cosine" if self.task in (EMBEDDER, SPARSE) else "min score correlation"
+            log.info("int8 quality check: %s %.4f vs float32", metric, self.int8_cosine)
             if self.int8_cosine < int8_min_cosine:
                 raise RuntimeError(
-                    f"int8 model fails the quality gate: min cosine {self.int8_cosine:.4f} < {int8_min_cosine}")
+                    f"int8 model fails the quality gate: {metric} {self.int8_cosine:.4f} < {int8_min_cosine}")
             self.session = qsession
             self.model_path = Path(q)
             self.dtype = "int8"
@@ -119,22 +119,33 @@ class OrtBackend(Backend):
         return BatchOutput(np.ascontiguousarray(pooled, dtype=np.float32), tokens)
 
     def _compare(self, a, b, tokenizer) -> float:
+        """int8 vs float32 on fixed inputs. Embeddings and SPLADE vectors: the lowest per-row cosine. Scores
+        (rerankers: query-passage pairs; classifiers): the lowest per-label correlation across the inputs
+        (cosine of the centred score vectors): a one-logit row's own cosine is only its sign."""
         if tokenizer is None:
             raise RuntimeError("int8 quality check needs the tokenizer")
-        encs = tokenizer.encode_batch(CHECK_TEXTS)
+        items = ([(q, t) for q in CHECK_TEXTS[:4] for t in CHECK_TEXTS] if self.task == RERANKER
+                 else CHECK_TEXTS)
+        encs = tokenizer.encode_batch(items)
         L = max(len(e.ids) for e in encs)
         ids = np.zeros((len(encs), L), np.int64)
+        tti = np.zeros_like(ids)
         mask = np.zeros_like(ids)
         for i, e in enumerate(encs):
             ids[i, : len(e.ids)] = e.ids
+            tti[i, : len(e.ids)] = e.type_ids
             mask[i, : len(e.ids)] = 1
+        if self.pad_id:
+            ids[mask == 0] = self.pad_id
         lengths = mask.sum(1)
-        batch = Batch(ids, mask, np.zeros_like(ids), lengths)
+        batch = Batch(ids, mask, tti, lengths)
         x, y = self._run(a, batch), self._run(b, batch)
         if self.task == EMBEDDER:
             x = pool_numpy(x, mask, lengths, self.pooling)
             y = pool_numpy(y, mask, lengths, self.pooling)
         x = x.reshape(len(encs), -1).astype(np.float64)
         y = y.reshape(len(encs), -1).astype(np.float64)
+        if self.task not in (EMBEDDER, SPARSE):  # scores: compare each label's column across the inputs
+            x, y = (x - x.mean(0)).T, (y - y.mean(0)).T
         cos = (x * y).sum(1) / (np.linalg.norm(x, axis=1) * np.linalg.norm(y, axis=1) + 1e-12)
         return float(cos.min())
