@@ -7,6 +7,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -75,6 +76,11 @@ class Server:
                 with urllib.request.urlopen(self.url + self.health, timeout=2) as r:
                     if r.status == 200:
                         break
+            except urllib.error.HTTPError as e:  # embedops answers 503 with the reason once loading has failed
+                reason = e.read().decode(errors="replace")
+                if "loading failed" in reason:
+                    self.stop()
+                    raise RuntimeError(f"{self.name} failed to load: {reason[:2000]}") from None
             except Exception:
                 pass
             time.sleep(0.25)
