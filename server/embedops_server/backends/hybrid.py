@@ -1,7 +1,8 @@
 """CPU: ONNX Runtime for short padded inputs, torch for long ones, one model loaded in both (`--backend hybrid`).
 
-Measured on 2 shared Xeon cores (MiniLM-L6): one 16-token query ONNX Runtime 3.5-3.8 ms vs torch 7-8 ms; 256-token
-rows torch 7600-8300 tokens/s vs ONNX Runtime 5000-6500 (its exported attention is not fused). Both backends
+Built when ONNX Runtime ran the SDPA-traced export (MiniLM-L6, 2 Xeon cores: 256-token rows torch 7600-8300
+tokens/s vs ORT 5000-6500). With the eager export ORT is as fast on long inputs too (ingestion 8877 vs torch
+7388 tokens/s side by side), so `auto` no longer needs this; it stays as an explicit option. Both backends
 compute the same outputs (cosine >= 0.9999); only one forward runs at a time (one inference thread), so they
 never compete for the cores. The price is memory: torch's libraries and a second copy of the weights."""
 from __future__ import annotations
