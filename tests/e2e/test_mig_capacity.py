@@ -44,6 +44,17 @@ def settled(core) -> bool:
     return True
 
 
+def pod_summary(pods) -> list[str]:
+    """Where each pod is and what its conditions say (for failure messages: scheduler vs kwok vs operator)."""
+    out = []
+    for p in pods:
+        conds = ", ".join(f"{c.type}={c.status}{'/' + c.reason if c.reason else ''}"
+                          f"{': ' + c.message[:160] if c.message else ''}" for c in (p.status.conditions or []))
+        out.append(f"{p.metadata.name} node={p.spec.node_name} phase={p.status.phase} "
+                   f"deleting={bool(p.metadata.deletion_timestamp)} [{conds}]")
+    return out
+
+
 def _t(msg, t0=[None]):
     import time
     t0[0] = t0[0] or time.monotonic()
@@ -59,9 +70,10 @@ def test_no_free_slice_ends_stalled(embsvc, operator):
     filler = mig_service("mig-filler", free)
     embsvc.create(filler)
     try:
-        obj = embsvc.wait_condition("mig-filler", "Ready", timeout=120)
+        obj = embsvc.wait_condition("mig-filler", "Ready", timeout=240)
     except AssertionError:
-        pytest.fail(f"filler never Ready: {embsvc.get('mig-filler').get('status')}\n{operator_log(operator)}")
+        pytest.fail(f"filler never Ready: {embsvc.get('mig-filler').get('status')}\n"
+                    f"pods: {pod_summary(embsvc.pods('mig-filler'))}\n{operator_log(operator)}")
     assert kstatus(obj)["status"] == "Current"
     assert free_slices(embsvc.core) == 0
     _t("filler Ready")
