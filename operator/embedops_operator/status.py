@@ -37,28 +37,23 @@ def _fmt(now: dt.datetime) -> str:
     return now.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _unschedulable(pod: dict) -> dict | None:
-    """The pod's PodScheduled=False/Unschedulable condition (None for pods being deleted)."""
+def _unschedulable(pod: dict, now: dt.datetime) -> tuple[dict, float] | None:
+    """The pod's PodScheduled=False/Unschedulable condition and how long it has held, in seconds (None for
+    pods being deleted)."""
     if pod.get("metadata", {}).get("deletionTimestamp"):
         return None
     for cond in (pod.get("status") or {}).get("conditions") or []:
         if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
                 and cond.get("reason") == "Unschedulable":
-            return cond
+            since = _parse_time(cond.get("lastTransitionTime")) or now
+            return cond, (now - since).total_seconds()
     return None
 
 
 def stall_check_in(pods: list[dict], now: dt.datetime, stall_after: float) -> float | None:
     """Seconds until the next unschedulable pod has waited `stall_after` (status must be recomputed then: no
     event marks that moment); None when no pod is waiting to cross it."""
-    waits = []
-    for pod in pods:
-        cond = _unschedulable(pod)
-        if cond is not None:
-            since = _parse_time(cond.get("lastTransitionTime")) or now
-            left = stall_after - (now - since).total_seconds()
-            if left > 0:
-                waits.append(left)
+    waits = [stall_after - u[1] for u in (_unschedulable(p, now) for p in pods) if u and u[1] < stall_after]
     return min(waits) if waits else None
 
 
@@ -68,10 +63,10 @@ def _pod_problem(pods: list[dict], now: dt.datetime, stall_after: float) -> tupl
         if pod.get("metadata", {}).get("deletionTimestamp"):
             continue
         st = pod.get("status") or {}
-        cond = _unschedulable(pod)
-        if cond is not None:
-            since = _parse_time(cond.get("lastTransitionTime")) or now
-            if (now - since).total_seconds() >= stall_after:
+        unsched = _unschedulable(pod, now)
+        if unsched is not None:
+            cond, waited = unsched
+            if waited >= stall_after:
                 msg = cond.get("message", "")
                 reason = "InsufficientAccelerator" if "nvidia.com/" in msg else "Unschedulable"
                 return reason, f"pod {pod['metadata']['name']} cannot be scheduled: {msg}"

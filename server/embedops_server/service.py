@@ -41,9 +41,9 @@ def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
     if kind == "auto":
         if device.startswith("cuda") or s.dtype not in (None, "float32"):
             kind = "torch"  # ONNX Runtime here runs float32 only
-        # CPU: ONNX Runtime for every task. Since the export uses eager attention it is also the faster one on
-        # long rerank pairs (50 x 287: 1.64 s vs 1.97 s and 1.93 vs 2.57 side by side, docs/bench.md).
         elif info.onnx_path is not None or info.has_torch_weights:
+            # CPU: ONNX Runtime for every task. Since the export uses eager attention it is also the faster one
+            # on long rerank pairs (50 x 287: 1.64 s vs 1.97 s and 1.93 vs 2.57 side by side, docs/bench.md).
             kind = "onnxruntime"
         else:
             raise ModelError(f"{info.path} has no ONNX model and no torch weights")

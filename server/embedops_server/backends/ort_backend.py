@@ -50,6 +50,8 @@ class OrtBackend(Backend):
         self._ort = ort
         self.threads = threads
         self.session = self._session(self.fp32_path)
+        # every session here (float32, int8, latency) comes from the same graph: one set of input names
+        self._inputs = {i.name for i in self.session.get_inputs()}
         self.model_path = self.fp32_path
         self.int8_cosine: float | None = None
         if quantize == "int8":
@@ -71,20 +73,17 @@ class OrtBackend(Backend):
         # models up to SMALL_SESSION_MAX_BYTES on disk. EMBEDOPS_ORT_SMALL_TOKENS=0 turns it off.
         self.small_tokens = int(os.environ.get("EMBEDOPS_ORT_SMALL_TOKENS", str(SMALL_TOKENS)))
         self.small_session = None
-        path_used = self.model_path
-        if (self.small_tokens > 0 and (threads or 1) > 1 and path_used.exists()
-                and path_used.stat().st_size <= SMALL_SESSION_MAX_BYTES):
-            self.small_session = self._session(path_used, spin=True)
-        self._inputs = {i.name for i in self.session.get_inputs()}
+        if (self.small_tokens > 0 and (threads or 1) > 1
+                and self.model_path.stat().st_size <= SMALL_SESSION_MAX_BYTES):
+            self.small_session = self._session(self.model_path, spin=True)
         self.hidden_size = int(info.config.get("hidden_size") or self.session.get_outputs()[0].shape[-1] or 0)
 
-    def _session(self, path: Path, threads: int | None = None, spin: bool | None = None):
+    def _session(self, path: Path, spin: bool | None = None):
         ort = self._ort
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        threads = threads or self.threads
-        if threads:
-            so.intra_op_num_threads = threads
+        if self.threads:
+            so.intra_op_num_threads = self.threads
             so.inter_op_num_threads = 1
         so.log_severity_level = 3
         # No busy-wait between parallel sections: the spinning threads steal the cores that tokenization and
@@ -99,15 +98,14 @@ class OrtBackend(Backend):
         so.enable_cpu_mem_arena = os.environ.get("EMBEDOPS_ORT_ARENA", "0") == "1"
         return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
-    def _feed(self, session, batch: Batch) -> dict:
-        names = {i.name for i in session.get_inputs()}
+    def _feed(self, batch: Batch) -> dict:
         feed = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-        if "token_type_ids" in names:
+        if "token_type_ids" in self._inputs:
             feed["token_type_ids"] = batch.token_type_ids
         return feed
 
     def _run(self, session, batch: Batch) -> np.ndarray:
-        return session.run(None, self._feed(session, batch))[0]
+        return session.run(None, self._feed(batch))[0]
 
     def forward(self, batch: Batch) -> BatchOutput:
         small = self.small_session is not None and batch.input_ids.size <= self.small_tokens
