@@ -346,6 +346,10 @@ class Cluster:
                 "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={kcm_port}",
                 f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
                 "--service-cluster-ip-range=10.96.0.0/16", "--controllers=*",
+                # kwok renews the fake nodes' leases; on a loaded 2-core machine a renewal can come late and the
+                # default 50 s grace then taints every node not-ready/unreachable, so nothing schedules (seen
+                # in e2e: "3 node(s) had untolerated taint(s)"). A fake node's health is not under test.
+                "--node-monitor-grace-period=300s",
                 f"--cert-dir={rd / 'kcm-certs'}", "--v=1",
             ])
             self._spawn(state, "kube-scheduler", [
