@@ -20,6 +20,7 @@ from kubernetes.client.rest import ApiException
 
 from . import render as R
 from . import spec as S
+from .litellm import manager as litellm_manager
 
 log = logging.getLogger("embedops.apply")
 
@@ -197,7 +198,7 @@ def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> list[
     for obj in manifests:
         # The shared LiteLLM ConfigMap gets one field manager per service, so services never remove
         # each other's keys.
-        manager = f"{R.MANAGER}-litellm-{service_name}" if obj["kind"] == "ConfigMap" else R.MANAGER
+        manager = litellm_manager(service_name) if obj["kind"] == "ConfigMap" else R.MANAGER
         if needs_write(kube, obj, manager=manager):
             kube.apply(obj, manager=manager)
             written.append(f"{obj['kind']}/{obj['metadata']['name']}")
@@ -228,11 +229,3 @@ def prune(kube: Kube, resource: dict, desired: list[dict], capabilities: frozens
                 deleted.append(f"{kind}/{im['name']}")
     return deleted
 
-
-def remove_litellm_entry(kube: Kube, namespace: str, config_map: str, service_name: str) -> None:
-    """Drop this service's key from the shared LiteLLM ConfigMap (apply an empty intent for its manager)."""
-    live = kube.get("v1", "ConfigMap", namespace, config_map)
-    if live is None or R.litellm_key(service_name) not in (live.get("data") or {}):
-        return
-    kube.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": config_map, "namespace": namespace}},
-               manager=f"{R.MANAGER}-litellm-{service_name}")

@@ -54,6 +54,8 @@ async def startup(settings: kopf.OperatorSettings, **_: object) -> None:
     rec = reconciler()
 
     async def loop() -> None:
+        # Services deleted while the operator was down left their LiteLLM entries; no event will come.
+        await asyncio.to_thread(rec.sweep_litellm)
         while True:
             await asyncio.sleep(rec.settings.resync_seconds)
             try:

@@ -16,6 +16,7 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
 from . import apply as A
+from . import litellm as LL
 from . import render as R
 from . import spec as S
 from . import status as ST
@@ -82,6 +83,7 @@ class Reconciler:
                     try:
                         written = A.apply_all(self.kube, manifests, name)
                         pruned = A.prune(self.kube, resource, manifests, options.capabilities)
+                        pruned += LL.sweep(self.kube, namespace, only=name)  # configMapName changed
                         if written or pruned:
                             log.info("%s/%s: applied %s, pruned %s", namespace, name, written, pruned)
                     except ApiException as exc:
@@ -129,7 +131,12 @@ class Reconciler:
         new = ST.normalized(ST.compute(resource, observed, options, stall_after=self.settings.stall_after))
         if new == ST.normalized(resource.get("status")):
             return None
-        self.kube.patch_status(resource, new)
+        try:
+            self.kube.patch_status(resource, new)
+        except ApiException as exc:
+            if exc.status == 404:  # deleted while this reconcile ran; its DELETED event cleans up
+                return None
+            raise
         return new
 
     def list_all(self) -> list[tuple[str, str]]:
@@ -146,13 +153,26 @@ class Reconciler:
                 self.reconcile(ns, name)
             except Exception:  # noqa: BLE001 - one broken object must not stop the loop
                 log.exception("resync of %s/%s failed", ns, name)
+        self.sweep_litellm()
+
+    def sweep_litellm(self) -> None:
+        """Entries of services deleted while the operator was down (or whose DELETED event was missed)."""
+        for ns in self.settings.namespaces or [None]:
+            try:
+                LL.sweep(self.kube, ns)
+            except Exception:  # noqa: BLE001 - retried next resync
+                log.exception("LiteLLM sweep in %s failed", ns or "all namespaces")
 
     def forget(self, namespace: str, name: str, body: dict) -> None:
-        ll = ((body.get("spec") or {}).get("litellm") or {}).get("configMapName")
-        if ll:
-            A.remove_litellm_entry(self.kube, namespace, ll, name)
+        key = (namespace, name)
+        # Under the object's lock: a reconcile already past its read of the (then live) object would
+        # otherwise re-apply the entry right after it was removed. Later reconciles find the object gone.
+        with self._lock(key):
+            config_map = ((body.get("spec") or {}).get("litellm") or {}).get("configMapName")
+            if config_map:
+                LL.remove_entry(self.kube, namespace, config_map, name)
         with self._guard:
-            self._locks.pop((namespace, name), None)
-            pending = self._timers.pop((namespace, name), None)
+            self._locks.pop(key, None)
+            pending = self._timers.pop(key, None)
         if pending:
             pending[1].cancel()

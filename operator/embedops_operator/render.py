@@ -23,6 +23,7 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 LABEL_SERVICE = "embedops.dev/service"
+LABEL_LITELLM = "embedops.dev/litellm"  # on ConfigMaps holding LiteLLM entries, so stale ones can be found
 ANNOTATION_HASH = "embedops.dev/applied-hash"
 
 SERVICEMONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
@@ -490,7 +491,7 @@ def litellm_key(name: str) -> str:
 def litellm_config_map(name: str, ns: str, spec: S.EmbeddingServiceSpec, options: Options) -> dict:
     """This service's entries in the shared LiteLLM ConfigMap (one data key per service, own field manager).
 
-    No owner reference: the ConfigMap is shared and may be the user's; the key is removed on deletion.
+    No owner reference: the ConfigMap is shared and may be the user's; litellm.py removes stale keys.
     """
     ll = spec.litellm
     assert ll is not None
@@ -500,7 +501,7 @@ def litellm_config_map(name: str, ns: str, spec: S.EmbeddingServiceSpec, options
                            task=detect_task(spec.model), base=service_url(name, ns, spec, options),
                            api_key=f"os.environ/{env_name}" if spec.api_key_secret_ref else "none")
     return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": ll.config_map_name, "namespace": ns},
+            "metadata": {"name": ll.config_map_name, "namespace": ns, "labels": {LABEL_LITELLM: "true"}},
             "data": {litellm_key(name): text}}
 
 

@@ -444,6 +444,36 @@ def test_missing_optional_crds_give_conditions_then_are_picked_up(ctx, operator)
     assert rvs() == before
 
 
+def test_litellm_entry_follows_its_config_map_and_is_swept_after_operator_downtime(ctx, operator):
+    """No owner reference on the shared ConfigMap, so the operator removes entries itself: when
+    litellm.configMapName changes, and for a service deleted while the operator was down (startup sweep).
+    A key the user wrote into the same ConfigMap is never touched."""
+    ctx.kube.apply([{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "litellm-a", "namespace": NS},
+                     "data": {"user.yaml": "model_list: []\n"}}], namespace=NS)
+    data = lambda cm: ctx.core.read_namespaced_config_map(cm, NS).data or {}  # noqa: E731
+    spec = json.loads(json.dumps(CPU_SPEC))
+    spec["replicas"] = 0
+    spec["litellm"] = {"configMapName": "litellm-a"}
+    ctx.apply_es("ll", spec)
+    wait_for("entry in litellm-a", lambda: "embedops-ll.yaml" in data("litellm-a"), 30)
+
+    spec["litellm"] = {"configMapName": "litellm-b"}
+    ctx.apply_es("ll", spec)
+    wait_for("entry moved to litellm-b", lambda: "embedops-ll.yaml" in data("litellm-b")
+             and "embedops-ll.yaml" not in data("litellm-a"), 30)
+    assert data("litellm-a") == {"user.yaml": "model_list: []\n"}
+
+    ctx.operator.stop()
+    ctx.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "ll")
+    wait_for("ll deleted", lambda: "ll" not in [o["metadata"]["name"] for o in ctx.custom.list_namespaced_custom_object(
+        GROUP, VERSION, NS, PLURAL)["items"]], 30)
+    assert "embedops-ll.yaml" in data("litellm-b")  # nobody removed it while the operator was down
+    ctx.operator = OperatorThread().start()
+    wait_for("entry swept on start-up", lambda: "embedops-ll.yaml" not in data("litellm-b"), 30)
+    assert "embedops-minilm.yaml" in data("litellm-models")  # a live service's entry stays
+    assert data("litellm-a") == {"user.yaml": "model_list: []\n"}
+
+
 def test_delete_cascades(ctx, operator):
     assert ctx.deployment("minilm").metadata.owner_references[0].kind == "EmbeddingService"
     assert ctx.core.read_namespaced_service("minilm", NS)

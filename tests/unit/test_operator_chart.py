@@ -94,7 +94,7 @@ def test_rbac_is_exactly_what_the_operator_uses():
     assert rules[("embedops.dev", "embeddingservices")] == {"get", "list", "watch"}
     assert rules[("embedops.dev", "embeddingservices/status")] == {"get", "patch"}
     assert rules[("", "pods")] == {"get", "list", "watch"}
-    assert rules[("", "configmaps")] == {"get", "create", "patch"}  # LiteLLM entries only
+    assert rules[("", "configmaps")] == {"get", "list", "create", "patch"}  # LiteLLM entries and their sweep
     assert rules[("apps", "deployments")] == write | {"watch"}
     assert rules[("", "services")] == write | {"watch"}
     assert ("", "secrets") not in rules  # the API key is only referenced, never read

@@ -286,3 +286,20 @@ def test_stalled_is_written_when_the_grace_period_ends_without_another_event(kub
         time.sleep(0.1)
     assert stalled()["status"] == "True" and stalled()["reason"] == "InsufficientAccelerator"
     assert not rec._timers  # fired and cleared; nothing left pending
+
+
+def test_litellm_entry_owners_come_from_managed_fields():
+    from embedops_operator import litellm as LL
+    cm = {"metadata": {"managedFields": [
+        {"manager": "embedops-litellm-a", "operation": "Apply", "fieldsType": "FieldsV1",
+         "fieldsV1": {"f:data": {"f:embedops-a.yaml": {}}, "f:metadata": {"f:labels": {"f:embedops.dev/litellm": {}}}}},
+        {"manager": "embedops-litellm-b", "operation": "Apply",  # its entry already removed: owns only a label
+         "fieldsV1": {"f:metadata": {"f:labels": {"f:embedops.dev/litellm": {}}}}},
+        {"manager": "kubectl", "operation": "Update", "fieldsV1": {"f:data": {"f:embedops-c.yaml": {}}}},
+        {"manager": "embedops-litellm-d", "operation": "Update", "fieldsV1": {"f:data": {"f:embedops-d.yaml": {}}}},
+    ]}, "data": {"embedops-a.yaml": "x", "embedops-c.yaml": "y", "embedops-d.yaml": "z"}}
+    assert LL.entry_owners(cm) == {"a"}
+    assert LL.wanted_config_map(None) is None
+    assert LL.wanted_config_map({"metadata": {}, "spec": {"litellm": {"configMapName": "m"}}}) == "m"
+    assert LL.wanted_config_map({"metadata": {"deletionTimestamp": "now"},
+                                 "spec": {"litellm": {"configMapName": "m"}}}) is None

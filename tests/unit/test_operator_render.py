@@ -305,7 +305,8 @@ def test_litellm_entries():
     spec["litellm"] = {"configMapName": "litellm"}
     spec["apiKeySecretRef"] = {"name": "k"}
     cm = by_kind(render(spec, name="bge-m3", namespace="search"))["ConfigMap"]
-    assert cm["metadata"] == {"name": "litellm", "namespace": "search"}  # shared: no owner, no hash
+    assert cm["metadata"] == {"name": "litellm", "namespace": "search",  # shared: no owner, no hash
+                              "labels": {"embedops.dev/litellm": "true"}}  # found by the stale-entry sweep
     cfg = yaml.safe_load(cm["data"]["embedops-bge-m3.yaml"])
     assert cfg["model_list"] == [{"model_name": "BAAI/bge-m3", "litellm_params": {
         "model": "openai/BAAI/bge-m3", "api_base": "http://bge-m3.search.svc.cluster.local/v1",
