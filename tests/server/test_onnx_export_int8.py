@@ -94,3 +94,36 @@ def test_int8_gate_on_reranker_scores_is_a_correlation(reranker_dir, tmp_path):
     print("int8 reranker score correlation:", be.int8_cosine, "recomputed:", corr)
     assert be.int8_cosine == pytest.approx(corr, abs=1e-3)
     assert be.int8_cosine < 0.9999  # int8 moves the scores; the old per-row cosine said exactly 1.0
+
+
+def test_export_cache_follows_new_weights_at_the_same_path(tmp_path):
+    """A new model revision copied to the same path must not be served from the old export."""
+    import onnxruntime as ort
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from embedops_server.backends.onnx_export import model_file
+
+    from .conftest import build_classifier
+
+    model_dir, cache = tmp_path / "model", tmp_path / "cache"
+    ids = np.array([[101, 7592, 2088, 102]], dtype=np.int64)
+
+    def exported_logits():
+        path = model_file(load_model_info(model_dir), str(cache))
+        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+        names = {i.name for i in sess.get_inputs()}
+        return path, sess.run(None, {k: v for k, v in feeds.items() if k in names})[0]
+
+    build_classifier(model_dir, 3, seed=2)
+    first_path, first = exported_logits()
+    assert exported_logits()[0] == first_path  # unchanged folder: the export is reused
+    build_classifier(model_dir, 3, seed=3)  # new weights, same folder
+    second_path, second = exported_logits()
+    assert second_path != first_path
+    with torch.no_grad():
+        ref = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()(
+            input_ids=torch.from_numpy(ids)).logits.numpy()
+    np.testing.assert_allclose(second, ref, atol=1e-4)
+    assert not np.allclose(first, ref, atol=1e-3)

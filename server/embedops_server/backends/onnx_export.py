@@ -13,10 +13,31 @@ from ..core.model_info import CLASSIFIER, RERANKER, SPARSE, ModelInfo
 log = logging.getLogger(__name__)
 
 
+# Files whose change must invalidate an export: weights, configs, tokenizer files.
+_FINGERPRINTED = (".json", ".safetensors", ".bin", ".pt", ".pth", ".txt", ".model")
+
+
+def cache_key(info: ModelInfo) -> str:
+    """The model folder's path plus each weight/config file's name, size and mtime.
+
+    The path alone is not enough: a new revision copied to the same volume path (a re-synced PVC, an updated
+    image layer) would otherwise be served from the stale export. Hashing the contents would cost seconds per
+    start for multi-GB models; size + mtime is what build tools use.
+    """
+    root = info.path.resolve()
+    files = [f for f in root.rglob("*") if f.is_file() and f.suffix in _FINGERPRINTED]
+    if info.onnx_path is not None:  # the folder's own ONNX file is what int8 quantizes
+        files.append(Path(info.onnx_path).resolve())
+    h = hashlib.sha256(str(root).encode())
+    for f in sorted(set(files)):
+        st = f.stat()
+        h.update(f"\0{f}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
 def cache_dir(info: ModelInfo, base: str | None) -> Path:
     root = Path(base or os.environ.get("EMBEDOPS_CACHE") or Path.home() / ".cache" / "embedops")
-    key = hashlib.sha256(str(info.path.resolve()).encode()).hexdigest()[:16]
-    d = root / key
+    d = root / cache_key(info)
     d.mkdir(parents=True, exist_ok=True)
     return d
 
