@@ -30,6 +30,18 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _onnx_cache(tmp_path_factory):
+    """ONNX exports made by the tests go to the session's temp dir (pytest keeps the last three), not the
+    user's ~/.cache/embedops: test models live in temp folders, so their exports would only pile up there."""
+    saved = os.environ.get("ONNX_CACHE")
+    if saved is None:
+        os.environ["ONNX_CACHE"] = str(tmp_path_factory.mktemp("onnx-cache"))
+    yield
+    if saved is None:
+        os.environ.pop("ONNX_CACHE", None)
+
+
 class Kube:
     def __init__(self, kubeconfig: str, local: bool, helm: str | None = None):
         self.kubeconfig = kubeconfig

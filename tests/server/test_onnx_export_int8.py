@@ -122,6 +122,8 @@ def test_export_cache_follows_new_weights_at_the_same_path(tmp_path):
     build_classifier(model_dir, 3, seed=3)  # new weights, same folder
     second_path, second = exported_logits()
     assert second_path != first_path
+    assert not first_path.parent.exists()  # the earlier revision's entry is gone, not piling up
+    assert [d.name for d in cache.iterdir()] == [second_path.parent.name]
     with torch.no_grad():
         ref = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()(
             input_ids=torch.from_numpy(ids)).logits.numpy()

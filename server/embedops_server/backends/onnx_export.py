@@ -6,6 +6,7 @@ import hashlib
 import inspect
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from ..core.model_info import CLASSIFIER, RERANKER, SPARSE, ModelInfo
@@ -35,10 +36,27 @@ def cache_key(info: ModelInfo) -> str:
     return h.hexdigest()[:16]
 
 
+SOURCE_FILE = "source.txt"  # the model folder an entry was made from
+
+
 def cache_dir(info: ModelInfo, base: str | None) -> Path:
-    root = Path(base or os.environ.get("EMBEDOPS_CACHE") or Path.home() / ".cache" / "embedops")
+    """This model revision's entry in the ONNX cache (``--onnx-cache``, $ONNX_CACHE, $EMBEDOPS_CACHE or
+    ~/.cache/embedops). Entries made for earlier revisions of the same folder are removed: nothing can use
+    them any more, and a long-lived cache volume would otherwise grow with every model update."""
+    root = Path(base or os.environ.get("ONNX_CACHE") or os.environ.get("EMBEDOPS_CACHE")
+                or Path.home() / ".cache" / "embedops")
     d = root / cache_key(info)
     d.mkdir(parents=True, exist_ok=True)
+    source = str(info.path.resolve())
+    (d / SOURCE_FILE).write_text(source)
+    for other in root.glob(f"*/{SOURCE_FILE}"):
+        try:
+            stale = other.parent != d and other.read_text() == source
+        except OSError:
+            continue
+        if stale:
+            log.info("removing the ONNX cache entry of an earlier revision of %s: %s", source, other.parent)
+            shutil.rmtree(other.parent, ignore_errors=True)
     return d
 
 
