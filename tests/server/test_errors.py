@@ -57,6 +57,12 @@ def test_malformed_bodies_are_4xx(minilm_torch):
     assert r.status_code == 422 and "message" in r.json()["error"]
     _err(httpx.post(minilm_torch + "/nope", json={}), 404, "NotFound")
     _err(httpx.get(minilm_torch + "/embed"), 405, "MethodNotAllowed")
+    # a lone surrogate is valid JSON (\ud800) but not text: named as such, not as the tokenizer's signature
+    r = httpx.post(u, content=b'{"inputs": ["fine", "bad \\ud800 text"]}', headers=hdr)
+    assert r.status_code == 422 and "text 1 is not valid Unicode" in r.json()["error"], r.text
+    r = httpx.post(u.replace("/embed", "/similarity"), headers=hdr,
+                   content=b'{"inputs": {"source_sentence": "a", "sentences": ["\\udfff"]}}')
+    assert r.status_code == 422 and "not valid Unicode" in r.json()["error"], r.text
     # the server is unaffected
     assert httpx.post(u, json={"inputs": "still fine"}).status_code == 200
 
@@ -155,3 +161,11 @@ def test_bad_requests_do_not_disturb_work_in_flight(minilm_torch, st_model):
     assert all(400 <= r.status_code < 500 and "error_type" in r.json() for r in bads), [r.status_code for r in bads]
     assert g.status_code == 200
     assert cosine(np.array(g.json()), st_model.encode(good[:1], normalize_embeddings=True)).min() >= 0.9999
+
+
+def test_lone_surrogate_in_a_rerank_pair_is_422(reranker):
+    r = httpx.post(reranker + "/rerank", headers={**AUTH, "content-type": "application/json"},
+                   content=b'{"query": "q", "texts": ["fine", "x\\ud800"]}')
+    assert r.status_code == 422 and "not valid Unicode" in r.json()["error"], r.text
+    ok = httpx.post(reranker + "/rerank", headers=AUTH, json={"query": "q", "texts": ["fine"]})
+    assert ok.status_code == 200

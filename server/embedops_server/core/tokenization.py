@@ -117,7 +117,7 @@ class TokenizerPool:
                 for j, _, _ in spans:
                     self._encode_group(tok, key, [j])
                 return
-            spans[0][0].done(None, EngineError(TOKENIZER, f"tokenizer error: {e}"))
+            spans[0][0].done(None, EngineError(TOKENIZER, _describe(flat, e)))
             return
         for j, a, b in spans:
             out = []
@@ -148,3 +148,17 @@ def _clip(text, limit: int, truncate: bool, direction: str):
             return text[-limit:] if direction == "left" else text[:limit]
         return text
     return tuple(_clip(t, limit, truncate, direction) for t in text)
+
+
+def _describe(texts: list, exc: Exception) -> str:
+    """The tokenizer's own message names its Python signature; say what is wrong with the input instead."""
+    for n, item in enumerate(texts):
+        for t in (item,) if isinstance(item, str) else item:  # a text, or a (query, passage) pair
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError as u:
+                return (f"text {n} is not valid Unicode: a lone surrogate ({t[u.start]!r}) at character {u.start}; "
+                        "send UTF-8 text")
+            except AttributeError:
+                pass
+    return f"tokenizer error: {exc}"
