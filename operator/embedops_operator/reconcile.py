@@ -83,7 +83,7 @@ class Reconciler:
                     try:
                         written = A.apply_all(self.kube, manifests, name)
                         pruned = A.prune(self.kube, resource, manifests, options.capabilities)
-                        pruned += LL.sweep(self.kube, namespace, only=name)  # configMapName changed
+                        pruned += self._sweep_own_litellm(namespace, name)
                         if written or pruned:
                             log.info("%s/%s: applied %s, pruned %s", namespace, name, written, pruned)
                     except ApiException as exc:
@@ -102,6 +102,18 @@ class Reconciler:
             if wait is not None:
                 self._recheck((namespace, name), wait + RECHECK_MARGIN)
             return written
+
+    def _sweep_own_litellm(self, namespace: str, name: str) -> list[str]:
+        """This service's entries in ConfigMaps it no longer names (litellm.configMapName changed or removed).
+        Best effort: without list on ConfigMaps (RBAC older than the chart's) it logs instead of failing."""
+        try:
+            return LL.sweep(self.kube, namespace, only=name)
+        except ApiException as exc:
+            if exc.status != 403:
+                raise
+            log.warning("%s/%s: cannot list ConfigMaps to remove stale LiteLLM entries: %s",
+                        namespace, name, _api_message(exc))
+            return []
 
     def _recheck(self, key: tuple[str, str], delay: float) -> None:
         """Reconcile `key` (status only) after `delay` s; one pending timer per object, the earliest wins."""

@@ -303,3 +303,24 @@ def test_litellm_entry_owners_come_from_managed_fields():
     assert LL.wanted_config_map({"metadata": {}, "spec": {"litellm": {"configMapName": "m"}}}) == "m"
     assert LL.wanted_config_map({"metadata": {"deletionTimestamp": "now"},
                                  "spec": {"litellm": {"configMapName": "m"}}}) is None
+
+
+def test_no_list_permission_on_configmaps_does_not_fail_the_reconcile(kube):
+    """An operator upgraded without the chart's new RBAC (list ConfigMaps for the stale-entry sweep) keeps
+    serving: the sweep is skipped with a warning, the status is not ApplyFailed."""
+    from kubernetes.client.rest import ApiException
+
+    spec = copy.deepcopy(MIG)
+    spec["litellm"] = {"configMapName": "litellm"}
+    kube.create_service(spec, name="a")
+    listing = kube.list
+
+    def list_without_configmaps(api_version, kind, ns, selector=None):
+        if kind == "ConfigMap":
+            raise ApiException(status=403, reason="Forbidden")
+        return listing(api_version, kind, ns, selector)
+    kube.list = list_without_configmaps
+    Reconciler(kube, Settings()).reconcile("ml", "a")
+    status = kube.get("embedops.dev/v1alpha1", "EmbeddingService", "ml", "a")["status"]
+    assert "litellm" in [k[3] for k in kube.objects if k[1] == "ConfigMap"]
+    assert not [c for c in status["conditions"] if c.get("reason") == "ApplyFailed"], status["conditions"]
