@@ -31,10 +31,13 @@ HTTPROUTE = ("gateway.networking.k8s.io/v1", "HTTPRoute")
 SCALEDOBJECT = ("keda.sh/v1alpha1", "ScaledObject")
 OPTIONAL_KINDS = (SERVICEMONITOR, HTTPROUTE, SCALEDOBJECT)
 
+# OpenAI clients pointed at <gateway><pathPrefix>/v1 list models before embedding; Cohere/Jina clients rerank
+# at /v1/rerank. Without a pathPrefix or hostnames, services sharing a gateway share these paths too.
 ROUTE_PATHS = {
-    "embed": [("PathPrefix", "/v1/embeddings"), ("Exact", "/embed"), ("Exact", "/embed_all")],
+    "embed": [("PathPrefix", "/v1/embeddings"), ("Exact", "/embed"), ("Exact", "/embed_all"),
+              ("PathPrefix", "/v1/models")],
     "sparse": [("Exact", "/embed_sparse"), ("Exact", "/embed")],
-    "rerank": [("Exact", "/rerank")],
+    "rerank": [("Exact", "/rerank"), ("Exact", "/v1/rerank")],
     "classify": [("Exact", "/predict")],
 }
 

@@ -122,6 +122,8 @@ def test_openai_sdk_float_and_base64(minilm_torch, st_model):
     # the SDK's default (no encoding_format) asks for base64 and decodes it
     d = client.embeddings.create(model="minilm", input="Hello world", dimensions=32)
     assert len(d.data[0].embedding) == 32
+    models = [m.id for m in client.models.list()]
+    assert models == [f.model] and client.models.retrieve(f.model).id == f.model
     raw = httpx.post(minilm_torch + "/v1/embeddings", json={"input": "Hello world", "encoding_format": "base64"}).json()
     vec = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
     assert vec.shape == (384,) and cosine(vec, st_model.encode("Hello world")) >= 0.9999
@@ -153,3 +155,15 @@ def test_shape_buckets_do_not_change_results(minilm_torch, st_model):
 
 class _Gpu:
     device = "cuda"
+
+
+def test_openai_models_list(minilm_torch):
+    """OpenAI SDKs (client.models.list()), LiteLLM and UIs discover the served model here."""
+    listed = httpx.get(minilm_torch + "/v1/models").json()
+    assert listed["object"] == "list" and len(listed["data"]) == 1
+    card = listed["data"][0]
+    assert card["object"] == "model" and card["owned_by"] == "embedops" and card["created"] > 1.7e9
+    assert httpx.get(minilm_torch + "/v1/models/" + card["id"]).json() == card  # ids may contain "/"
+    r = httpx.get(minilm_torch + "/v1/models/no-such-model")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "no-such-model" in r.json()["error"]["message"]

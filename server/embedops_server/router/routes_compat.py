@@ -43,6 +43,25 @@ router.add_api_route("/v1/embeddings", openai_embeddings, methods=["POST"], tags
 router.add_api_route("/embeddings", openai_embeddings, methods=["POST"], tags=["OpenAI"], include_in_schema=False)
 
 
+def _model_card(st) -> dict:
+    return {"id": st.settings.served_model_name or st.settings.model_id, "object": "model",
+            "created": int(st.started), "owned_by": "embedops"}
+
+
+@router.get("/v1/models", tags=["OpenAI"], summary="OpenAI-compatible model list (the one served model)")
+async def openai_models(request: Request):
+    # OpenAI SDKs, LiteLLM and UIs discover models here before calling /v1/embeddings.
+    return _json({"object": "list", "data": [_model_card(_state(request))]})
+
+
+@router.get("/v1/models/{model_id:path}", tags=["OpenAI"], summary="One model, OpenAI-compatible")
+async def openai_model(request: Request, model_id: str):
+    card = _model_card(_state(request))
+    if model_id != card["id"]:
+        raise ApiError("NotFound", f"The model `{model_id}` does not exist; this server serves `{card['id']}`")
+    return _json(card)
+
+
 @router.post("/v1/rerank", tags=["Cohere/Jina"], summary="Cohere/Jina-style rerank (documents, top_n)")
 async def cohere_rerank(request: Request, body: CohereRerankRequest):
     st = _state(request)

@@ -21,6 +21,7 @@ class AppState:
         self.service: Service | None = None
         self.load_error: str | None = None
         self.draining = False
+        self.started = time.time()  # the OpenAI model card's `created`
 
     # ---- helpers used by routes -----------------------------------------------------------
     def svc(self) -> Service:
