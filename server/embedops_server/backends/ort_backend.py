@@ -10,6 +10,7 @@ import numpy as np
 from ..core.engine import Batch, BatchOutput
 from ..core.model_info import EMBEDDER, RERANKER, SPARSE, ModelInfo
 from .base import Backend, pool_numpy, split_tokens
+from .dense import apply_numpy, load_dense
 from .onnx_export import cache_dir, model_file, quantize_int8
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class OrtBackend(Backend):
                 and self.model_path.stat().st_size <= SMALL_SESSION_MAX_BYTES):
             self.small_session = self._session(self.model_path, spin=True)
         self.hidden_size = int(info.config.get("hidden_size") or self.session.get_outputs()[0].shape[-1] or 0)
+        self.dense = load_dense(info.dense) if info.dense else []  # sentence-transformers Dense projections
+        if self.dense:
+            self.hidden_size = self.dense[-1].out_features
 
     def _session(self, path: Path, spin: bool | None = None):
         ort = self._ort
@@ -113,6 +117,8 @@ class OrtBackend(Backend):
         if self.task != EMBEDDER:
             return BatchOutput(out.astype(np.float32, copy=False))
         pooled = pool_numpy(out, batch.attention_mask, batch.lengths, self.pooling)
+        if self.dense:
+            pooled = apply_numpy(pooled.astype(np.float32, copy=False), self.dense)
         tokens = split_tokens(out, batch.lengths, len(batch.lengths)) if batch.need_tokens else None
         return BatchOutput(np.ascontiguousarray(pooled, dtype=np.float32), tokens)
 

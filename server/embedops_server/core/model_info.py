@@ -30,6 +30,8 @@ class ModelInfo:
     id2label: dict[int, str] = field(default_factory=dict)
     onnx_path: Path | None = None
     has_torch_weights: bool = False
+    # sentence-transformers Dense modules applied after pooling, in order (folders like 2_Dense)
+    dense: tuple[Path, ...] = ()
 
     @property
     def architecture(self) -> str:
@@ -44,10 +46,15 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
+def _st_normalize(path: Path) -> bool:
+    modules = _read_json(path / "modules.json") if (path / "modules.json").exists() else []
+    return any(m.get("type", "").endswith("Normalize") for m in modules) if isinstance(modules, list) else False
+
+
 def _st_pooling(path: Path) -> tuple[str | None, bool]:
     """Pooling mode and normalization from sentence-transformers' modules.json / Pooling config."""
     modules = _read_json(path / "modules.json") if (path / "modules.json").exists() else []
-    normalize = any(m.get("type", "").endswith("Normalize") for m in modules) if isinstance(modules, list) else False
+    normalize = _st_normalize(path)
     pool_dir = None
     for m in modules if isinstance(modules, list) else []:
         if m.get("type", "").endswith("Pooling"):
@@ -55,13 +62,39 @@ def _st_pooling(path: Path) -> tuple[str | None, bool]:
     cfg = _read_json((pool_dir or path / "1_Pooling") / "config.json")
     if not cfg:
         return None, normalize
-    if cfg.get("pooling_mode_cls_token"):
-        return "cls", normalize
-    if cfg.get("pooling_mode_lasttoken"):
-        return "last-token", normalize
-    if cfg.get("pooling_mode_mean_tokens"):
-        return "mean", normalize
-    raise ModelError(f"unsupported sentence-transformers pooling config in {pool_dir}: {cfg}")
+    # sentence-transformers >= 6 writes {"pooling_mode": "mean" | [...]}; older versions one flag per mode.
+    mode = cfg.get("pooling_mode")
+    if mode is not None:
+        modes = [mode] if isinstance(mode, str) else list(mode)
+    else:
+        modes = [k[len("pooling_mode_"):].removesuffix("_token").removesuffix("_tokens")
+                 for k, v in cfg.items() if k.startswith("pooling_mode_") and v]
+    if cfg.get("include_prompt") is False:
+        log.warning("the pooling config excludes prompt tokens (include_prompt=false); this server pools them, "
+                    "so vectors of prompted inputs differ slightly from sentence-transformers'")
+    known = {"cls": "cls", "mean": "mean", "lasttoken": "last-token"}
+    if len(modes) == 1 and modes[0] in known:
+        return known[modes[0]], normalize
+    raise ModelError(f"unsupported sentence-transformers pooling {modes or cfg} in {pool_dir or path / '1_Pooling'}: "
+                     "the server implements one of cls, mean, lasttoken (pass --pooling to override)")
+
+
+# sentence-transformers modules the server implements; any other one would change the vectors silently.
+_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
+
+
+def _st_dense(path: Path) -> tuple[Path, ...]:
+    """Dense projections after pooling (modules.json order); refuses modules the server cannot reproduce."""
+    modules = _read_json(path / "modules.json") if (path / "modules.json").exists() else []
+    dense = []
+    for m in modules if isinstance(modules, list) else []:
+        kind = m.get("type", "").rsplit(".", 1)[-1]
+        if kind not in _ST_MODULES:
+            raise ModelError(f"unsupported sentence-transformers module {m.get('type')!r} in {path / 'modules.json'}: "
+                             f"the server implements {', '.join(_ST_MODULES)}; its vectors would differ")
+        if kind == "Dense":
+            dense.append(path / m.get("path", f"{m.get('idx', 2)}_Dense"))
+    return tuple(dense)
 
 
 def find_onnx(path: Path) -> Path | None:
@@ -114,7 +147,12 @@ def load_model_info(path: str | Path, pooling: str | None = None, revision: str 
 
     arch = (config.get("architectures") or [""])[0]
     id2label: dict[int, str] = {}
-    st_pool, normalize = _st_pooling(path)
+    dense: tuple[Path, ...] = ()
+    pool_error: ModelError | None = None
+    try:
+        st_pool, normalize = _st_pooling(path)
+    except ModelError as e:  # matters only for an embedder without --pooling
+        st_pool, normalize, pool_error = None, _st_normalize(path), e
     if arch.endswith("ForSequenceClassification"):
         id2label = {int(k): v for k, v in (config.get("id2label") or {0: "LABEL_0"}).items()}
         n = config.get("num_labels") or len(id2label)
@@ -130,6 +168,9 @@ def load_model_info(path: str | Path, pooling: str | None = None, revision: str 
         if pooling == "splade":
             raise ModelError("splade pooling needs a *ForMaskedLM architecture")
         task = EMBEDDER
+        dense = _st_dense(path)
+        if pool_error is not None and pooling is None:
+            raise pool_error
         pool = pooling or st_pool
         if pool is None:
             # Same fallback as TEI: BERT-family models without a pooling config use CLS.
@@ -145,7 +186,7 @@ def load_model_info(path: str | Path, pooling: str | None = None, revision: str 
     return ModelInfo(
         path=path, task=task, pooling=pool, normalize=normalize, max_input_length=max_len,
         config=config, prompts=prompts, default_prompt_name=st_cfg.get("default_prompt_name"),
-        id2label=id2label, onnx_path=onnx_path, has_torch_weights=has_torch,
+        id2label=id2label, onnx_path=onnx_path, has_torch_weights=has_torch, dense=dense,
     )
 
 
