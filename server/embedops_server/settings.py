@@ -32,4 +32,5 @@ class Settings:
     json_output: bool = False
     graceful_shutdown_timeout: float = 30.0
     onnx_cache: str | None = None
+    cors_allow_origin: str | None = None  # comma-separated origins or "*"; None: no CORS headers
     log_level: str = "info"

@@ -169,3 +169,26 @@ def test_lone_surrogate_in_a_rerank_pair_is_422(reranker):
     assert r.status_code == 422 and "not valid Unicode" in r.json()["error"], r.text
     ok = httpx.post(reranker + "/rerank", headers=AUTH, json={"query": "q", "texts": ["fine"]})
     assert ok.status_code == 200
+
+
+def test_cors_preflight_allows_authorization_and_errors_carry_cors_headers(tmp_path):
+    from tests.models import minilm_dir
+
+    origin = {"Origin": "https://app.example.com"}
+    with run_server(model_id=str(minilm_dir()), backend="onnxruntime", api_key="k", onnx_cache=str(tmp_path),
+                    cors_allow_origin="https://app.example.com") as (url, st):
+        pre = httpx.options(url + "/v1/embeddings", headers={**origin, "Access-Control-Request-Method": "POST",
+                                                             "Access-Control-Request-Headers": "authorization,content-type"})
+        assert pre.status_code == 200, pre.text
+        assert pre.headers["access-control-allow-origin"] == "https://app.example.com"
+        assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+        denied = httpx.post(url + "/embed", json={"inputs": "x"}, headers=origin)
+        assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == origin["Origin"]
+        ok = httpx.post(url + "/embed", json={"inputs": "x"}, headers={**origin, "Authorization": "Bearer k"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == origin["Origin"]
+        other = httpx.post(url + "/embed", json={"inputs": "x"},
+                           headers={"Origin": "https://evil.example", "Authorization": "Bearer k"})
+        assert "access-control-allow-origin" not in other.headers
+    with run_server(model_id=str(minilm_dir()), backend="onnxruntime", onnx_cache=str(tmp_path)) as (url, st):
+        r = httpx.post(url + "/embed", json={"inputs": "x"}, headers=origin)
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers  # off by default

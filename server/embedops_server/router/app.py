@@ -119,6 +119,14 @@ def create_app(settings: Settings, service=None) -> FastAPI:
             "docker_label": None, "prompts": sorted(i.prompts),
         })
 
-    guard = GuardMiddleware(app, settings.payload_limit, settings.api_key)
-    guard.fastapi = app
-    return guard
+    outer = GuardMiddleware(app, settings.payload_limit, settings.api_key)
+    if settings.cors_allow_origin:
+        from starlette.middleware.cors import CORSMiddleware
+
+        # Outside the guard: a preflight carries no API key, and a 401/413 still needs CORS headers for the
+        # browser to show it. TEI allows only content-type, so browsers sending Authorization fail preflight.
+        origins = [o.strip() for o in settings.cors_allow_origin.split(",") if o.strip()]
+        outer = CORSMiddleware(outer, allow_origins=origins, allow_methods=["GET", "POST"],
+                               allow_headers=["content-type", "authorization"], max_age=600)
+    outer.fastapi = app
+    return outer
