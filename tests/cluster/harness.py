@@ -394,9 +394,12 @@ class Cluster:
             core.patch_node_status(n["metadata"]["name"], {"status": n["status"]})
 
         def nodes_ready() -> bool:
+            # Ready, and the node lifecycle controller has also lifted the not-ready taint it put on the new
+            # node (it lags the condition by a moment; until then nothing without a toleration schedules).
             items = core.list_node(label_selector="type=kwok").items
             ready = [n for n in items if any(c.type == "Ready" and c.status == "True"
-                                             for c in (n.status.conditions or []))]
+                                             for c in (n.status.conditions or []))
+                     and not any(t.key.startswith("node.kubernetes.io/") for t in (n.spec.taints or []))]
             return len(ready) == len(node_manifests())
 
         def default_sa() -> bool:
