@@ -83,7 +83,11 @@ class Reconciler:
                     try:
                         written = A.apply_all(self.kube, manifests, name)
                         pruned = A.prune(self.kube, resource, manifests, options.capabilities)
-                        pruned += self._sweep_own_litellm(namespace, name)
+                        # a changed or dropped litellm.configMapName leaves a key in the old ConfigMap; only a
+                        # spec change can do that, so pod and status events skip this LIST
+                        meta, st = resource["metadata"], resource.get("status") or {}
+                        if written or st.get("observedGeneration") != meta.get("generation"):
+                            pruned += self._sweep_own_litellm(namespace, name)
                         if written or pruned:
                             log.info("%s/%s: applied %s, pruned %s", namespace, name, written, pruned)
                     except ApiException as exc:

@@ -48,8 +48,8 @@ def _weights(folder: Path) -> dict[str, np.ndarray]:
     raise ModelError(f"{folder}: Dense module without model.safetensors or pytorch_model.bin")
 
 
-def load_dense(folders: tuple[Path, ...] | list[Path], in_features: int | None = None) -> list[DenseLayer]:
-    layers = []
+def load_dense(folders: tuple[Path, ...] | list[Path]) -> list[DenseLayer]:
+    layers: list[DenseLayer] = []
     for folder in folders:
         try:
             cfg = json.loads((folder / "config.json").read_text())
@@ -61,11 +61,11 @@ def load_dense(folders: tuple[Path, ...] | list[Path], in_features: int | None =
         w = _weights(folder)
         weight = np.ascontiguousarray(w["linear.weight"], dtype=np.float32)
         bias = np.ascontiguousarray(w["linear.bias"], dtype=np.float32) if cfg.get("bias", True) else None
-        want = (cfg.get("out_features"), in_features if in_features is not None else cfg.get("in_features"))
+        # each layer's input is the previous layer's output
+        want = (cfg.get("out_features"), layers[-1].out_features if layers else cfg.get("in_features"))
         if tuple(weight.shape) != want:
             raise ModelError(f"{folder}: Dense weight {tuple(weight.shape)} does not fit (out, in) = {want}")
         layers.append(DenseLayer(weight, bias, act))
-        in_features = weight.shape[0]
     return layers
 
 
@@ -84,18 +84,13 @@ class TorchDense:
     def __init__(self, layers: list[DenseLayer], device: str):
         import torch
 
-        self.torch = torch
+        acts = {"torch.nn.modules.linear.Identity": lambda x: x, "torch.nn.modules.activation.Tanh": torch.tanh,
+                "torch.nn.modules.activation.ReLU": torch.relu, "torch.nn.modules.activation.Sigmoid": torch.sigmoid}
+        self.linear = torch.nn.functional.linear
         self.layers = [(torch.from_numpy(l.weight).to(device), None if l.bias is None else
-                        torch.from_numpy(l.bias).to(device), l.activation) for l in layers]
+                        torch.from_numpy(l.bias).to(device), acts[l.activation]) for l in layers]
 
     def __call__(self, x):
-        torch = self.torch
         for w, b, act in self.layers:
-            x = torch.nn.functional.linear(x, w, b)
-            if act.endswith("Tanh"):
-                x = torch.tanh(x)
-            elif act.endswith("ReLU"):
-                x = torch.relu(x)
-            elif act.endswith("Sigmoid"):
-                x = torch.sigmoid(x)
+            x = act(self.linear(x, w, b))
         return x

@@ -112,7 +112,12 @@ class TorchBackend(Backend):
             return out.logits.float()
         if self.task == SPARSE:
             return (torch.log1p(torch.relu(out.logits.float())) * mask[..., None]).amax(1)
-        hidden = out.last_hidden_state
+        return self._pool(out.last_hidden_state, mask, lengths)
+
+    def _pool(self, hidden, mask, lengths):
+        """Sentence vector in float32 (mean accumulates in float32 even for half-precision models), then the
+        sentence-transformers Dense layers if the model has them."""
+        torch = self.torch
         if self.pooling == "cls":
             pooled = hidden[:, 0].float()
         elif self.pooling == "last-token":
@@ -167,18 +172,8 @@ class TorchBackend(Backend):
                 act = torch.log1p(torch.relu(out.logits.float())) * mask[..., None]
                 return BatchOutput(act.amax(1).cpu().numpy())
             hidden = out.last_hidden_state
-            if self.pooling == "cls":
-                pooled = hidden[:, 0]
-            elif self.pooling == "last-token":
-                lengths = torch.from_numpy(batch.lengths).to(self.device)
-                pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), (lengths - 1).clamp(min=0)]
-            else:
-                m = mask[..., None].float()  # accumulate in float32 even for half-precision models
-                pooled = (hidden.float() * m).sum(1) / m.sum(1).clamp(min=1)
-            pooled = pooled.float()
-            if self.dense:
-                pooled = self.dense(pooled)
-            pooled_np = pooled.cpu().numpy()
+            lengths = torch.from_numpy(batch.lengths).to(self.device) if self.pooling == "last-token" else None
+            pooled_np = self._pool(hidden, mask, lengths).cpu().numpy()
             tokens = None
             if batch.need_tokens:
                 h = hidden.float().cpu().numpy()

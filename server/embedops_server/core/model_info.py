@@ -46,17 +46,21 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def _st_normalize(path: Path) -> bool:
+def _st_modules(path: Path) -> list[dict]:
+    """sentence-transformers' modules.json (the pipeline after the transformer), [] when absent."""
     modules = _read_json(path / "modules.json") if (path / "modules.json").exists() else []
-    return any(m.get("type", "").endswith("Normalize") for m in modules) if isinstance(modules, list) else False
+    return modules if isinstance(modules, list) else []
 
 
-def _st_pooling(path: Path) -> tuple[str | None, bool]:
+def _st_normalize(modules: list[dict]) -> bool:
+    return any(m.get("type", "").endswith("Normalize") for m in modules)
+
+
+def _st_pooling(path: Path, modules: list[dict]) -> tuple[str | None, bool]:
     """Pooling mode and normalization from sentence-transformers' modules.json / Pooling config."""
-    modules = _read_json(path / "modules.json") if (path / "modules.json").exists() else []
-    normalize = _st_normalize(path)
+    normalize = _st_normalize(modules)
     pool_dir = None
-    for m in modules if isinstance(modules, list) else []:
+    for m in modules:
         if m.get("type", "").endswith("Pooling"):
             pool_dir = path / m.get("path", "1_Pooling")
     cfg = _read_json((pool_dir or path / "1_Pooling") / "config.json")
@@ -83,11 +87,10 @@ def _st_pooling(path: Path) -> tuple[str | None, bool]:
 _ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
 
 
-def _st_dense(path: Path) -> tuple[Path, ...]:
+def _st_dense(path: Path, modules: list[dict]) -> tuple[Path, ...]:
     """Dense projections after pooling (modules.json order); refuses modules the server cannot reproduce."""
-    modules = _read_json(path / "modules.json") if (path / "modules.json").exists() else []
     dense = []
-    for m in modules if isinstance(modules, list) else []:
+    for m in modules:
         kind = m.get("type", "").rsplit(".", 1)[-1]
         if kind not in _ST_MODULES:
             raise ModelError(f"unsupported sentence-transformers module {m.get('type')!r} in {path / 'modules.json'}: "
@@ -148,11 +151,12 @@ def load_model_info(path: str | Path, pooling: str | None = None, revision: str 
     arch = (config.get("architectures") or [""])[0]
     id2label: dict[int, str] = {}
     dense: tuple[Path, ...] = ()
+    modules = _st_modules(path)
     pool_error: ModelError | None = None
     try:
-        st_pool, normalize = _st_pooling(path)
+        st_pool, normalize = _st_pooling(path, modules)
     except ModelError as e:  # matters only for an embedder without --pooling
-        st_pool, normalize, pool_error = None, _st_normalize(path), e
+        st_pool, normalize, pool_error = None, _st_normalize(modules), e
     if arch.endswith("ForSequenceClassification"):
         id2label = {int(k): v for k, v in (config.get("id2label") or {0: "LABEL_0"}).items()}
         n = config.get("num_labels") or len(id2label)
@@ -168,7 +172,7 @@ def load_model_info(path: str | Path, pooling: str | None = None, revision: str 
         if pooling == "splade":
             raise ModelError("splade pooling needs a *ForMaskedLM architecture")
         task = EMBEDDER
-        dense = _st_dense(path)
+        dense = _st_dense(path, modules)
         if pool_error is not None and pooling is None:
             raise pool_error
         pool = pooling or st_pool
