@@ -57,7 +57,7 @@ class Tokenize:
 class OrtForward:
     name = "onnx"
 
-    def __init__(self, onnx_file: Path, threads: int | None = None, spinning: bool = True):
+    def __init__(self, onnx_file: Path, threads: int | None = None, spinning: bool = True, split: int = 1):
         import onnxruntime as ort
 
         so = ort.SessionOptions()
@@ -69,11 +69,26 @@ class OrtForward:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.config = f"threads={so.intra_op_num_threads}" + ("" if spinning else ",nospin")
         self.sess = ort.InferenceSession(str(onnx_file), so, providers=["CPUExecutionProvider"])
+        # split > 1: the batch's rows cut into `split` parts run concurrently on that session (what the server
+        # does with two 1-thread forwards under load), so the ceiling is never below the server's own scheme
+        self.split, self._pool = split, None
+        if split > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(split)
+            self.config += f",split={split}"
         self.inputs = {i.name for i in self.sess.get_inputs()}
         self.file = str(onnx_file)
 
     def __call__(self, feed: dict[str, np.ndarray]):
-        out = self.sess.run(None, {k: v for k, v in feed.items() if k in self.inputs})[0]
+        feed = {k: v for k, v in feed.items() if k in self.inputs}
+        rows = len(feed["input_ids"])
+        if self._pool is not None and rows > 1:
+            cuts = np.array_split(np.arange(rows), min(self.split, rows))
+            parts = [{k: v[c[0]: c[-1] + 1] for k, v in feed.items()} for c in cuts]
+            out = np.concatenate(list(self._pool.map(lambda f: self.sess.run(None, f)[0], parts)))
+        else:
+            out = self.sess.run(None, feed)[0]
         if out.ndim == 3:  # mean pooling, as the server does
             m = feed["attention_mask"][..., None].astype(out.dtype)
             out = (out * m).sum(1) / np.maximum(m.sum(1), 1.0)

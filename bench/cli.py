@@ -206,7 +206,8 @@ class Runner:
         from .ceiling import Configured, OrtForward, TorchForward, n_threads
 
         n = n_threads()
-        cfgs = [{"threads": n}, {"threads": n, "spinning": False}, {"threads": 1}] if n > 1 else [{"threads": 1}]
+        cfgs = ([{"threads": n}, {"threads": n, "spinning": False}, {"threads": 1},
+                 {"threads": max(1, n // 2), "spinning": False, "split": 2}] if n > 1 else [{"threads": 1}])
         out = {"onnx_cfgs": [(c, OrtForward(onnx, **c)) for c in cfgs] if onnx else []}
         t = TorchForward(model_dir, rerank=rerank)
         out["torch_cfgs"] = [({"threads": k}, Configured(t, k)) for k in sorted({n, 1}, reverse=True)]

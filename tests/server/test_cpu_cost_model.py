@@ -114,7 +114,8 @@ def test_info_reports_the_forward_cap(minilm_torch, minilm_ort):
 
     t = httpx.get(minilm_torch + "/info").json()
     assert t["max_batch_tokens"] == 16384 and t["max_forward_tokens"] == 2048
-    assert httpx.get(minilm_ort + "/info").json()["max_forward_tokens"] == 1024
+    info = httpx.get(minilm_ort + "/info").json()
+    assert info["max_forward_tokens"] == 1024 and info["parallel_forwards"] == 1  # 1 thread: nothing to split
 
 
 def test_hybrid_dispatches_by_padded_length():
@@ -185,3 +186,79 @@ def test_ort_spinning_session_for_tiny_forwards(monkeypatch):
     assert OrtBackend(info, threads=1).small_session is None  # one thread already: nothing to add
     monkeypatch.setenv("EMBEDOPS_ORT_SMALL_TOKENS", "0")
     assert OrtBackend(info, threads=2).small_session is None
+
+
+def test_ort_parallel_forwards_use_a_one_thread_session(monkeypatch):
+    import numpy as np
+
+    from embedops_server.backends.ort_backend import OrtBackend
+    from embedops_server.core.engine import Batch
+    from embedops_server.core.model_info import load_model_info
+    from tests.models import minilm_onnx_dir
+
+    info = load_model_info(str(minilm_onnx_dir()), "mean", "main")
+    monkeypatch.delenv("EMBEDOPS_ORT_PARALLEL", raising=False)
+    b = OrtBackend(info, threads=2)
+    assert b.parallel_forwards == 2
+    opts = b.narrow_session.get_session_options()
+    assert opts.intra_op_num_threads == 1 and opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    ids = np.array([[101, 7592, 2088, 102], [101, 2088, 102, 0]], np.int64)
+    mask = (ids > 0).astype(np.int64)
+    alone = b.forward(Batch(ids, mask, np.zeros_like(ids), mask.sum(1))).pooled
+    beside = b.forward(Batch(ids, mask, np.zeros_like(ids), mask.sum(1), parallel=True)).pooled
+    assert np.allclose(alone, beside, atol=1e-5)
+    assert OrtBackend(info, threads=1).parallel_forwards == 1  # nothing to split
+    monkeypatch.setenv("EMBEDOPS_ORT_PARALLEL", "0")
+    off = OrtBackend(info, threads=2)
+    assert off.parallel_forwards == 1 and off.narrow_session is None
+
+
+def test_engine_runs_two_forwards_side_by_side_and_answers_everyone(st_model):
+    """Under concurrent load two batches are in the backend at once (each marked parallel); a lone request
+    is not marked; every answer is the right vector."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import numpy as np
+
+    from tests.models import minilm_onnx_dir
+    from tests.server.conftest import cosine, run_server
+
+    with run_server(model_id=str(minilm_onnx_dir()), backend="onnxruntime", pooling="mean", num_threads=2,
+                    max_batch_requests=4) as (url, st):
+        engine, backend = st.service.engine, st.service.backend
+        assert httpx.get(url + "/info").json()["parallel_forwards"] == 2
+        assert engine.workers == 2 and len([t for t in engine._threads if t.name.startswith("inference")]) == 2
+        seen, lock, active = [], threading.Lock(), [0, 0]  # (rows, parallel, overlapping)
+        real = backend.forward
+
+        def recording(batch):
+            with lock:
+                active[0] += 1
+                active[1] = max(active[1], active[0])
+            try:
+                time.sleep(0.02)  # widen each forward so that batches overlap whatever the machine's speed
+                out = real(batch)
+            finally:
+                with lock:
+                    active[0] -= 1
+            seen.append((len(batch.lengths), batch.parallel))
+            return out
+
+        backend.forward = recording
+        try:
+            lone = httpx.post(url + "/embed", json={"inputs": "a lone query"}).json()
+            assert seen == [(1, False)]  # alone: all threads, not the parallel session
+            texts = [f"sentence number {i} about embeddings" for i in range(40)]
+            with ThreadPoolExecutor(20) as pool:
+                got = list(pool.map(lambda t: httpx.post(url + "/embed", json={"inputs": t}, timeout=60), texts))
+        finally:
+            backend.forward = real
+    assert all(r.status_code == 200 for r in got)
+    vecs = np.array([r.json()[0] for r in got])
+    assert cosine(vecs, st_model.encode(texts, normalize_embeddings=True)).min() >= 0.9999
+    assert cosine(np.array(lone), st_model.encode(["a lone query"], normalize_embeddings=True)).min() >= 0.9999
+    assert active[1] == 2  # two forwards at once, never more
+    assert any(p for _, p in seen[1:]) and sum(n for n, _ in seen[1:]) == 40

@@ -18,6 +18,8 @@ class Backend:
     # Padded tokens per forward above which this backend gets no faster per token (CPU: slower, the attention
     # and activations outgrow the caches). None: no preference, batches grow to --max-batch-tokens.
     preferred_batch_tokens: int | None = None
+    # Forwards the engine may run at once (see Batch.parallel); more than 1 only where measured to pay.
+    parallel_forwards = 1
 
     def bucket(self, rows: int, cols: int) -> tuple[int, int]:
         """Padded shape for a batch. CPU: exact. CUDA: a small set of shapes so captured graphs can be reused."""

@@ -114,6 +114,7 @@ def create_app(settings: Settings, service=None) -> FastAPI:
             "max_concurrent_requests": s.max_concurrent_requests, "max_input_length": svc.max_input_length,
             "max_batch_tokens": s.max_batch_tokens, "max_batch_requests": s.max_batch_requests,
             "max_forward_tokens": svc.engine.queue.forward_tokens,
+            "parallel_forwards": svc.engine.workers,
             "max_client_batch_size": s.max_client_batch_size, "auto_truncate": s.auto_truncate,
             "tokenization_workers": len(svc.tokenizers._threads), "version": __version__, "sha": None,
             "docker_label": None, "prompts": sorted(i.prompts),
