@@ -262,3 +262,38 @@ def test_engine_runs_two_forwards_side_by_side_and_answers_everyone(st_model):
     assert cosine(np.array(lone), st_model.encode(["a lone query"], normalize_embeddings=True)).min() >= 0.9999
     assert active[1] == 2  # two forwards at once, never more
     assert any(p for _, p in seen[1:]) and sum(n for n, _ in seen[1:]) == 40
+
+
+def test_two_inference_threads_lingering_on_one_look_ahead_batch_both_survive(monkeypatch):
+    """Both inference threads can wait on the same look-ahead batch (inputs still in tokenization); the one
+    that does not get it must go back to waiting, not die (it did: the server then ran on one thread)."""
+    import asyncio
+
+    from embedops_server.backends.ort_backend import OrtBackend
+    from embedops_server.core import engine as engine_mod
+    from embedops_server.core.model_info import load_model_info
+    from embedops_server.core.queue import Entry
+    from embedops_server.core.tokenization import TokenizerPool
+    from tests.models import minilm_onnx_dir
+
+    info = load_model_info(str(minilm_onnx_dir()), "mean", "main")
+    backend = OrtBackend(info, threads=2)
+    tokenizers = TokenizerPool(str(info.path / "tokenizer.json"), 1)
+    engine = engine_mod.Engine(backend, tokenizers, 128, 16384, None, 64, workers=2)
+    try:
+        monkeypatch.setattr(engine_mod, "LINGER_MAX_S", 0.3)
+        loop = asyncio.new_event_loop()
+        req = engine_mod.Request(loop, 2, False)
+        ids = tokenizers.tokenizer.encode("a look-ahead batch").ids
+        entries = [Entry(req, i, ids, [0] * len(ids)) for i in range(2)]
+        with engine._cv:
+            engine._forward_s = 1.0
+            engine._tokenizing = 1  # an input "in tokenization": whoever picks the slot up lingers for it
+            engine._slot = (entries, engine._build(entries))
+            engine._cv.notify_all()
+        result = loop.run_until_complete(asyncio.wait_for(req.future, 10))
+        assert len(result) == 2 and all(r.shape == (backend.hidden_size,) for r in result)
+        assert engine.healthy()  # both inference threads alive
+        loop.close()
+    finally:
+        engine.close()

@@ -204,6 +204,8 @@ class Engine:
                     return None
                 if self._slot is not None:
                     self._linger()
+                    if self._slot is None:  # another inference thread took it while we waited
+                        continue
                     (entries, batch), self._slot = self._slot, None
                     extra, dropped = q.top_up(entries) if len(q) else ([], [])
                     self._running += 1
