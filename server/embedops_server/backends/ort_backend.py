@@ -78,13 +78,13 @@ class OrtBackend(Backend):
         if self.small_tokens > 0 and (threads or 1) > 1 and small_model:
             self.small_session = self._session(self.model_path, spin=True)
         # Two forwards side by side under load, each on half the threads, in a session of their own (ORT runs
-        # concurrent Run calls on one session). A small model's operators are too short to keep two threads
-        # busy between barriers: on 2 cores, two 1-thread forwards of 8 x 32 tokens do 362-371 texts/s against
-        # 277-305 for one 2-thread forward (and 334 for two concurrent Runs on the 2-thread session). A forward
-        # that runs alone keeps every thread (1 x 512: 76 ms vs 126 on one). Server side by side: c=16 +13%,
-        # c=64 +8%, mixed lengths +4%, ingestion and c=1 unchanged; concurrent Runs on the 2-thread session
-        # instead were slower on long inputs (ingestion -16%). Costs a copy of the weights (~100 MB for
-        # MiniLM), hence small models only. EMBEDOPS_ORT_PARALLEL=0: off.
+        # concurrent Run calls on one session). A small model's operators are too short to keep two threads busy
+        # between barriers: on 2 cores, two 1-thread forwards of 8 x 32 tokens do 362-371 texts/s against 277-305
+        # for one 2-thread forward (334 for two concurrent Runs on the 2-thread session, which also lost 16% on
+        # long inputs). A forward that runs alone keeps every thread (1 x 512: 76 ms vs 126 on one). Server side
+        # by side: c=16 +7.5-15%, c=64 +7-10%, mixed +4-7%, ingestion 0-6%, c=1 unchanged. Costs a copy of the
+        # weights and two forwards' buffers (MiniLM: RSS ~650-720 MB under load vs ~450), so small models only.
+        # EMBEDOPS_ORT_PARALLEL=0 turns it off.
         self.parallel_forwards = 1
         self.narrow_session = None
         if (threads or 1) > 1 and small_model and os.environ.get("EMBEDOPS_ORT_PARALLEL", "1") != "0":
