@@ -57,7 +57,8 @@ def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
         from .backends.ort_backend import OrtBackend
         from .backends.torch_backend import TorchBackend
 
-        short = OrtBackend(info, threads=threads, cache=s.onnx_cache, tokenizer=tokenizer)
+        # one forward at a time here (HybridBackend.parallel_forwards is 1): no side-by-side ORT session
+        short = OrtBackend(info, threads=threads, cache=s.onnx_cache, tokenizer=tokenizer, parallel=False)
         return HybridBackend(short, TorchBackend(info, dtype="float32", device="cpu", threads=threads))
     if kind in ("onnxruntime", "ort", "onnx"):
         if s.dtype not in (None, "float32"):

@@ -208,6 +208,7 @@ def test_ort_parallel_forwards_use_a_one_thread_session(monkeypatch):
     beside = b.forward(Batch(ids, mask, np.zeros_like(ids), mask.sum(1), parallel=True)).pooled
     assert np.allclose(alone, beside, atol=1e-5)
     assert OrtBackend(info, threads=1).parallel_forwards == 1  # nothing to split
+    assert OrtBackend(info, threads=2, parallel=False).narrow_session is None  # the hybrid backend's ORT half
     monkeypatch.setenv("EMBEDOPS_ORT_PARALLEL", "0")
     off = OrtBackend(info, threads=2)
     assert off.parallel_forwards == 1 and off.narrow_session is None

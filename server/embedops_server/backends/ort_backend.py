@@ -40,7 +40,7 @@ class OrtBackend(Backend):
     preferred_batch_tokens = 1024
 
     def __init__(self, info: ModelInfo, threads: int | None = None, quantize: str | None = None,
-                 cache: str | None = None, int8_min_cosine: float = 0.98, tokenizer=None):
+                 cache: str | None = None, int8_min_cosine: float = 0.98, tokenizer=None, parallel: bool = True):
         import onnxruntime as ort
 
         self.info = info
@@ -87,7 +87,7 @@ class OrtBackend(Backend):
         # EMBEDOPS_ORT_PARALLEL=0 turns it off.
         self.parallel_forwards = 1
         self.narrow_session = None
-        if (threads or 1) > 1 and small_model and os.environ.get("EMBEDOPS_ORT_PARALLEL", "1") != "0":
+        if parallel and (threads or 1) > 1 and small_model and os.environ.get("EMBEDOPS_ORT_PARALLEL", "1") != "0":
             self.parallel_forwards = 2
             self.narrow_session = self._session(self.model_path, threads=max(1, threads // 2))
         self.hidden_size = int(info.config.get("hidden_size") or self.session.get_outputs()[0].shape[-1] or 0)
