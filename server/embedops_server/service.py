@@ -113,7 +113,7 @@ def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
     backend = make_backend(s, info, tokenizers.tokenizer)
     engine = Engine(backend, tokenizers, max_len, s.max_batch_tokens, s.max_batch_requests,
                     s.max_concurrent_requests, stats, forward_tokens=forward_tokens(s, backend),
-                    workers=getattr(backend, "parallel_forwards", 1))
+                    workers=backend.parallel_forwards)
     # Warm-up: a full budget on GPU (OOM shows at start, not under load); one max-length input on CPU.
     engine.warmup(s.max_batch_tokens if backend.device != "cpu" else max_len)
     graphs = getattr(backend, "_graphs", None)

@@ -85,7 +85,6 @@ class OrtBackend(Backend):
         # by side: c=16 +7.5-15%, c=64 +7-10%, mixed +4-7%, ingestion 0-6%, c=1 unchanged. Costs a copy of the
         # weights and two forwards' buffers (MiniLM: RSS ~650-720 MB under load vs ~450), so small models only.
         # EMBEDOPS_ORT_PARALLEL=0 turns it off.
-        self.parallel_forwards = 1
         self.narrow_session = None
         if parallel and (threads or 1) > 1 and small_model and os.environ.get("EMBEDOPS_ORT_PARALLEL", "1") != "0":
             self.parallel_forwards = 2

@@ -202,27 +202,26 @@ class Engine:
                     cv.wait()
                 if self._stop:
                     return None
+                ready = None  # the look-ahead batch's padded arrays, when usable as they are
                 if self._slot is not None:
                     self._linger()
                     if self._slot is None:  # another inference thread took it while we waited
                         continue
-                    (entries, batch), self._slot = self._slot, None
+                    (entries, ready), self._slot = self._slot, None
                     extra, dropped = q.top_up(entries) if len(q) else ([], [])
-                    self._running += 1
-                    parallel = self._parallel()
-                    cv.notify_all()
-                    if not extra:
-                        if dropped:
-                            self.stats.on_dropped(len(dropped))
-                        batch.parallel = parallel
-                        return entries, batch
-                    entries = entries + extra
+                    if extra:
+                        entries, ready = entries + extra, None
                 else:
                     entries, dropped = q.form()
-                    self._running += 1
-                    parallel = self._parallel()
-                    cv.notify_all()  # the batcher (or an idle inference thread) may start on the next batch now
-            item = self._prepare(entries, dropped)
+                self._running += 1
+                parallel = self._parallel()
+                cv.notify_all()  # the batcher (or an idle inference thread) may start on the next batch now
+            if ready is not None:
+                if dropped:
+                    self.stats.on_dropped(len(dropped))
+                item = entries, ready
+            else:
+                item = self._prepare(entries, dropped)
             if item is not None:
                 item[1].parallel = parallel
                 return item

@@ -13,8 +13,8 @@ from ..core.errors import BACKEND, EMPTY, OVERLOADED, TOKENIZER, UNHEALTHY, VALI
 STATUS = {EMPTY: 400, VALIDATION: 422, TOKENIZER: 422, OVERLOADED: 429, BACKEND: 424, UNHEALTHY: 503,
           "Unauthorized": 401, "PayloadTooLarge": 413, "NotFound": 404, "MethodNotAllowed": 405,
           "ClientClosedRequest": 499}  # 499: nginx's code; nobody reads it, the client is gone
-_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
-                 422: "invalid_request_error", 429: "rate_limit_error", 424: "server_error", 503: "server_error"}
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                 413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error", 424: "server_error", 503: "server_error"}
 OPENAI_PATHS = ("/v1/embeddings", "/embeddings")
 
 
