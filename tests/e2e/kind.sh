@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make e2e-kind`: the e2e suite on a kind cluster (hosts with Docker; GitHub runners). Creates the
 # cluster from kind-config.yaml, advertises 7 MIG slices on the GPU-like worker, installs the upstream
-# third-party CRDs, builds and loads the operator and server images when their Dockerfiles exist, and
+# third-party CRDs, builds and loads the operator and CPU server images (operator/Dockerfile,
+# server/Dockerfile.cpu), and
 # runs tests/e2e against it through KUBECONFIG (the same suite as on the local control plane).
 #   KEEP_CLUSTER=1   leave the cluster running afterwards
 set -euo pipefail
@@ -26,19 +27,20 @@ gpu_node="$(kubectl get nodes -l embedops.dev/pool=gpu -o name | head -1)"
 kubectl patch "$gpu_node" --subresource=status --type=merge \
   -p '{"status":{"capacity":{"nvidia.com/mig-1g.10gb":"7"},"allocatable":{"nvidia.com/mig-1g.10gb":"7"}}}'
 
-# Images: build and load when the Dockerfiles exist. kind pods run real containers, so the operator
-# (run by the suite as a local process) is pointed at the locally built server image for CPU and GPU
-# pods alike (kind workers have no GPU), and the bundled MiniLM is copied to the hostPath the e2e
-# model PersistentVolume uses on every worker.
+# Images: the operator and the CPU server image, built from the repository's Dockerfiles with their public
+# defaults (CPU torch from PyTorch's index) and loaded into every node. kind pods run real containers, so the
+# operator (run by the suite as a local process) is pointed at the locally built server image for CPU and GPU
+# pods alike (kind workers have no GPU), and the bundled MiniLM is copied to the hostPath the e2e model
+# PersistentVolume uses on every worker. The server image is tagged per tree so a rebuilt one is really
+# rolled out (a fixed tag with IfNotPresent would keep the first image on the node).
+tag="e2e-$(git rev-parse --short HEAD 2>/dev/null || echo local)"
+declare -A dockerfile=([operator]=operator/Dockerfile [server]=server/Dockerfile.cpu)
 for img in operator server; do
-  if [ -f "$img/Dockerfile" ]; then
-    docker build -t "embedops-$img:e2e" -f "$img/Dockerfile" .
-    "$KIND" load docker-image "embedops-$img:e2e" --name "$CLUSTER"
-  fi
+  docker build -t "embedops-$img:$tag" -f "${dockerfile[$img]}" .
+  "$KIND" load docker-image "embedops-$img:$tag" --name "$CLUSTER"
 done
-if [ -f server/Dockerfile ]; then
-  export EMBEDOPS_SERVER_IMAGE_CPU=embedops-server:e2e EMBEDOPS_SERVER_IMAGE_CUDA=embedops-server:e2e
-fi
+export EMBEDOPS_SERVER_IMAGE_CPU="embedops-server:$tag" EMBEDOPS_SERVER_IMAGE_CUDA="embedops-server:$tag"
+export EMBEDOPS_OPERATOR_IMAGE="embedops-operator:$tag"
 minilm="$("$PY" -m tests.models minilm)"
 for n in $("$KIND" get nodes --name "$CLUSTER"); do
   docker exec "$n" mkdir -p /var/lib/embedops-models

@@ -30,9 +30,9 @@ def example_docs() -> list[dict]:
     return docs
 
 
-def prerequisites(kube, namespace: str, docs: list[dict]) -> None:
+def prerequisites(kube, namespace: str, docs: list[dict], host_path: str = "/var/lib/embedops-models") -> None:
     """What the examples reference and a platform team provides: the model PVC (bound to a hostPath
-    PV here), the API-key Secret."""
+    PV at ``host_path`` on the node), the API-key Secret."""
     objs: list[dict] = []
     for d in docs:
         spec = d["spec"]
@@ -42,7 +42,7 @@ def prerequisites(kube, namespace: str, docs: list[dict]) -> None:
             objs.append({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
                          "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadOnlyMany"],
                                   "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
-                                  "hostPath": {"path": "/var/lib/embedops-models"},
+                                  "hostPath": {"path": host_path},
                                   "claimRef": {"namespace": namespace, "name": pvc}}})
             objs.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                          "metadata": {"name": pvc, "namespace": namespace},
