@@ -41,10 +41,15 @@ for img in operator server; do
 done
 export EMBEDOPS_SERVER_IMAGE_CPU="embedops-server:$tag" EMBEDOPS_SERVER_IMAGE_CUDA="embedops-server:$tag"
 export EMBEDOPS_OPERATOR_IMAGE="embedops-operator:$tag"
-minilm="$("$PY" -m tests.models minilm)"
+# The models the e2e PersistentVolume serves (hostPath /var/lib/embedops-models on every worker): the bundled
+# all-MiniLM-L6-v2 and a tiny cross-encoder, world-readable for the server's uid 10001.
+models="$(mktemp -d)/models"
+"$PY" -c "import sys; from pathlib import Path; from tests.e2e.real_pods import prepare_models; prepare_models(Path(sys.argv[1]))" "$models"
 for n in $("$KIND" get nodes --name "$CLUSTER"); do
   docker exec "$n" mkdir -p /var/lib/embedops-models
-  docker cp -L "$minilm" "$n:/var/lib/embedops-models/all-MiniLM-L6-v2"
+  docker cp "$models/." "$n:/var/lib/embedops-models/"
 done
+# tests/e2e/test_real_pods.py: real containers on the plain CPU worker
+export EMBEDOPS_E2E_REAL_PODS=1 EMBEDOPS_E2E_REAL_NODE_SELECTOR=embedops.dev/pool=cpu-plain
 
 EMBEDOPS_E2E_KUBECONFIG="$kc" "$PY" -m pytest tests/e2e -m cluster ${PYTEST_ARGS:-}
