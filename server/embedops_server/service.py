@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .backends.base import Backend, cpu_threads
 from .core.engine import Engine, EngineStats
-from .core.model_info import ModelError, ModelInfo, load_model_info
+from .core.model_info import NO_TORCH, ModelError, ModelInfo, load_model_info, no_onnx_without_torch, torch_installed
 from .core.tokenization import TokenizerPool
 from .settings import Settings
 
@@ -27,6 +27,8 @@ class Service:
 
 
 def _cuda_available() -> bool:
+    if not torch_installed():  # the ONNX Runtime-only image: no import attempt on its path
+        return False
     try:
         import torch
 
@@ -48,6 +50,11 @@ def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
         else:
             raise ModelError(f"{info.path} has no ONNX model and no torch weights")
     threads = s.num_threads or cpu_threads()
+    if kind in ("torch", "hybrid") and not torch_installed():
+        if s.backend == "auto" and info.onnx_path is None:  # auto picked torch for a CUDA device or a dtype
+            raise no_onnx_without_torch(info.path)
+        raise ModelError(f"the {kind} backend (device {device}, dtype {s.dtype or 'default'}) needs torch and "
+                         f"{NO_TORCH}; use --backend onnxruntime with a float32 model or an image with torch")
     if kind == "hybrid":
         if device != "cpu" or s.dtype not in (None, "float32") or s.quantize:
             raise ModelError("--backend hybrid is CPU float32 only (ONNX Runtime for short inputs, torch for long)")
@@ -70,7 +77,7 @@ def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
                               int8_min_cosine=s.int8_min_cosine, tokenizer=tokenizer)
         except Exception as e:
             # auto only: an architecture the exporter cannot handle still serves, on torch.
-            if s.backend != "auto" or s.quantize or not info.has_torch_weights:
+            if s.backend != "auto" or s.quantize or not info.has_torch_weights or not torch_installed():
                 raise
             log.warning("ONNX Runtime backend unavailable (%s); falling back to torch", e)
     if kind != "torch":

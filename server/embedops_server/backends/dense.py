@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.model_info import ModelError
+from ..core.model_info import NO_TORCH, ModelError, torch_installed
 
 # sentence-transformers' default activation is Tanh.
 _DEFAULT_ACTIVATION = "torch.nn.modules.activation.Tanh"
@@ -41,6 +41,9 @@ def _weights(folder: Path) -> dict[str, np.ndarray]:
 
         return load_file(str(folder / "model.safetensors"))
     if (folder / "pytorch_model.bin").exists():
+        if not torch_installed():
+            raise ModelError(f"{folder}: Dense weights in pytorch_model.bin need torch and {NO_TORCH}; "
+                             "ship model.safetensors")
         import torch
 
         state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)

@@ -9,7 +9,8 @@ import os
 import shutil
 from pathlib import Path
 
-from ..core.model_info import CLASSIFIER, RERANKER, SPARSE, ModelInfo
+from ..core.model_info import (CLASSIFIER, RERANKER, SPARSE, ModelError, ModelInfo, no_onnx_without_torch,
+                               torch_installed)
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,9 @@ def model_file(info: ModelInfo, cache: str | None = None) -> Path:
     if info.onnx_path is not None:
         return Path(info.onnx_path)
     if not info.has_torch_weights:
-        raise RuntimeError(f"{info.path} has no ONNX model and no torch weights to export from")
+        raise ModelError(f"{info.path} has no ONNX model and no torch weights to export from")
+    if not torch_installed():
+        raise no_onnx_without_torch(info.path)
     return export_onnx(info, cache_dir(info, cache))
 
 

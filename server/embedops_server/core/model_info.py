@@ -17,6 +17,24 @@ class ModelError(RuntimeError):
     """The model folder cannot be served (missing files, unsupported combination)."""
 
 
+def torch_installed() -> bool:
+    """Whether torch can be imported, without importing it (the ONNX Runtime-only image has none)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+NO_TORCH = "torch is not installed in this image"
+
+
+def no_onnx_without_torch(path: Path) -> ModelError:
+    return ModelError(f"{path} has no ONNX file and {NO_TORCH}: ship onnx/model.onnx in the model folder "
+                      "or use an image with torch")
+
+
 @dataclass
 class ModelInfo:
     path: Path

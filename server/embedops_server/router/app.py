@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -10,6 +11,7 @@ from fastapi.responses import Response
 
 from .. import __version__
 from ..core.engine import EngineStats
+from ..core.model_info import ModelError
 from ..service import build_service
 from ..settings import Settings
 from . import errors, routes_compat, routes_tei
@@ -30,7 +32,10 @@ def _stats(st: AppState) -> EngineStats:
     )
 
 
-def create_app(settings: Settings, service=None) -> FastAPI:
+def create_app(settings: Settings, service=None,
+               on_model_error: Callable[[ModelError], None] | None = None) -> FastAPI:
+    """``on_model_error``: called (on the event loop) when the model folder cannot be served at all; the CLI
+    exits non-zero then. Without it the app keeps answering 503 with the reason."""
     st = AppState(settings)
 
     @asynccontextmanager
@@ -45,6 +50,11 @@ def create_app(settings: Settings, service=None) -> FastAPI:
                     st.service = await asyncio.to_thread(build_service, settings, _stats(st))
                     log.info("model %s ready (%s, %s, %s) in %.1fs", settings.model_id, st.service.info.task,
                              st.service.backend.name, st.service.backend.dtype, st.service.load_seconds)
+                except ModelError as e:  # the folder cannot be served: one line says why, no traceback
+                    log.error("model loading failed: %s", e)
+                    st.load_error = f"model loading failed: {e}"
+                    if on_model_error is not None:
+                        on_model_error(e)
                 except Exception as e:  # keep serving 503 with the reason; the operator sees it in logs
                     log.exception("model loading failed")
                     st.load_error = f"model loading failed: {e}"

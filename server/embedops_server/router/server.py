@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import uvicorn
 
@@ -28,11 +29,25 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+EXIT_MODEL_ERROR = 3  # the model folder cannot be served (ModelError): restarting will not help
+
+
 def serve(settings: Settings) -> None:
-    app = create_app(settings)
+    failed: list[BaseException] = []
+    server: DrainingServer | None = None
+
+    def model_error(e: BaseException) -> None:  # logged by the app in one line; stop and exit non-zero
+        failed.append(e)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, on_model_error=model_error)
     config = uvicorn.Config(
         app, host=settings.hostname, port=settings.port, log_config=None, access_log=False,
         timeout_graceful_shutdown=settings.graceful_shutdown_timeout, lifespan="on",
         backlog=max(2048, settings.max_concurrent_requests * 2), timeout_keep_alive=30,
     )
-    DrainingServer(config, app.fastapi.state.embedops).run()
+    server = DrainingServer(config, app.fastapi.state.embedops)
+    server.run()
+    if failed:
+        sys.exit(EXIT_MODEL_ERROR)
