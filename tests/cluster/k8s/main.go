@@ -1,11 +1,12 @@
-// Command k8s is a multi-call binary holding kube-apiserver, kube-controller-manager and
-// kube-scheduler, built from k8s.io/kubernetes at the release pinned in go.mod. The component is
+// Command k8s is a multi-call binary holding kube-apiserver, kube-controller-manager, kube-scheduler,
+// kubelet and kube-proxy, built from k8s.io/kubernetes at the release pinned in go.mod. The component is
 // chosen by the name it is invoked as (symlinks) or by the first argument:
 //
 //	k8s kube-apiserver --etcd-servers=...
 package main
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -17,7 +18,9 @@ import (
 	_ "k8s.io/component-base/metrics/prometheus/version"
 	apiserver "k8s.io/kubernetes/cmd/kube-apiserver/app"
 	controllermanager "k8s.io/kubernetes/cmd/kube-controller-manager/app"
+	proxy "k8s.io/kubernetes/cmd/kube-proxy/app"
 	scheduler "k8s.io/kubernetes/cmd/kube-scheduler/app"
+	kubelet "k8s.io/kubernetes/cmd/kubelet/app"
 )
 
 func command(name string) *cobra.Command {
@@ -28,6 +31,10 @@ func command(name string) *cobra.Command {
 		return controllermanager.NewControllerManagerCommand()
 	case "kube-scheduler":
 		return scheduler.NewSchedulerCommand()
+	case "kubelet":
+		return kubelet.NewKubeletCommand(context.Background())
+	case "kube-proxy":
+		return proxy.NewProxyCommand()
 	}
 	return nil
 }
@@ -41,7 +48,7 @@ func main() {
 		}
 	}
 	if cmd == nil {
-		fmt.Fprintln(os.Stderr, "usage: k8s kube-apiserver|kube-controller-manager|kube-scheduler [flags]")
+		fmt.Fprintln(os.Stderr, "usage: k8s kube-apiserver|kube-controller-manager|kube-scheduler|kubelet|kube-proxy [flags]")
 		os.Exit(2)
 	}
 	cmd.SetArgs(os.Args[1:])
