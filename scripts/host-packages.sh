@@ -5,7 +5,7 @@
 # Hosts that are not Debian, or where apt-get cannot install, get a one-line message and exit 0: the
 # tests that need these packages then skip with their reason.
 set -euo pipefail
-pkgs=(podman containerd runc containernetworking-plugins debootstrap iptables conntrack)
+pkgs=(podman containerd runc containernetworking-plugins debootstrap iptables conntrack busybox-static)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -18,6 +18,15 @@ API (kept stable for tests/integration and tests/e2e)::
     kube.apply(docs_or_path, namespace=None)   # server-side apply of YAML docs / a file
     kube.local                      # True when it is the harness's control plane (kwok nodes)
     kube.helm                       # path of the pinned helm binary, or None
+    kube.real_node                  # "cpu-real-0" when the local cluster has its real node, else None
+    kube.real_node_reason           # why there is no real node (one line), else None
+    kube.import_images(images)      # into the real node's containerd: archive paths (docker/OCI tar) or
+                                    # tests/cluster/images.py's built images (a list or its dict)
+
+The local cluster starts its real node (``tests/cluster/node.py``: kubelet, kube-proxy, containerd, CNI
+bridge, CoreDNS) by default; ``EMBEDOPS_REAL_NODE=0`` turns it off. When the machine refuses (a package,
+the kernel, privileges, another cluster holding it) the cluster runs without it and ``real_node_reason``
+says why.
 """
 from __future__ import annotations
 
@@ -43,10 +52,30 @@ def _onnx_cache(tmp_path_factory):
 
 
 class Kube:
-    def __init__(self, kubeconfig: str, local: bool, helm: str | None = None):
+    def __init__(self, kubeconfig: str, local: bool, helm: str | None = None, real_node: str | None = None,
+                 real_node_reason: str | None = None):
         self.kubeconfig = kubeconfig
         self.local = local
         self.helm = helm
+        self.real_node = real_node
+        self.real_node_reason = real_node_reason
+
+    def import_images(self, images) -> None:
+        """Import image archives (paths of docker-archive/OCI tars, or what tests/cluster/images.py's
+        ``import_into_containerd`` takes) into the real node's containerd (namespace k8s.io)."""
+        if not self.real_node:
+            raise RuntimeError(f"no real node: {self.real_node_reason}")
+        from tests.cluster import node
+
+        items = list(images.values()) if isinstance(images, dict) else list(images)
+        paths = [i for i in items if isinstance(i, (str, Path))]
+        built = [i for i in items if not isinstance(i, (str, Path))]
+        if paths:
+            node.import_into_containerd(str(node.SOCK), paths)
+        if built:  # tests/cluster/images.py's built images (.ref, .archive)
+            from tests.cluster.images import import_into_containerd
+
+            import_into_containerd(str(node.SOCK), built)
 
     def api_client(self):
         from kubernetes import config
@@ -187,7 +216,7 @@ def kube():
 
     explicit = _explicit_kubeconfig()
     if explicit:
-        yield Kube(explicit, local=False, helm=helm)
+        yield Kube(explicit, local=False, helm=helm, real_node_reason="an explicit kubeconfig is in use")
         return
 
     try:
@@ -196,9 +225,29 @@ def kube():
         if os.environ.get("EMBEDOPS_REQUIRE_CLUSTER") == "1":
             pytest.fail(str(e))
         pytest.skip(str(e))
-    cluster = harness.Cluster(run_dir=harness.default_run_dir() / "pytest")
-    kubeconfig = cluster.up()
+    from tests.cluster import node
+
+    run_dir = harness.default_run_dir() / "pytest"
+    reason = None
+    if os.environ.get("EMBEDOPS_REAL_NODE", "1") == "0":
+        reason = "EMBEDOPS_REAL_NODE=0"
+    else:
+        reason = node.preflight()
+        if not reason:
+            try:
+                node.NodeBinaries.from_cache()
+            except node.RealNodeError as e:
+                reason = str(e)
+    cluster = harness.Cluster(run_dir=run_dir, real_node=reason is None)
     try:
-        yield Kube(str(kubeconfig), local=True, helm=helm)
+        kubeconfig = cluster.up()
+    except node.RealNodeError as e:
+        reason = str(e)
+        print(f"\nkube fixture: running without the real node: {reason}")
+        cluster = harness.Cluster(run_dir=run_dir, real_node=False)
+        kubeconfig = cluster.up()
+    try:
+        yield Kube(str(kubeconfig), local=True, helm=helm,
+                   real_node=node.NODE_NAME if reason is None else None, real_node_reason=reason)
     finally:
         cluster.down(quiet=True)

@@ -10,12 +10,17 @@ three simulated nodes:
 * ``cpu-amx-0``: Node Feature Discovery AMX/VNNI/AVX-512 labels,
 * ``cpu-plain-0``: no special labels.
 
+With ``real_node=True`` (CLI ``up --real-node``) it also runs ``cpu-real-0``, a real node (kubelet,
+kube-proxy, containerd, CNI bridge, CoreDNS; ``tests/cluster/node.py``): the API server then binds and
+advertises 10.245.0.1 (the node's bridge) so pods reach it through the ``kubernetes`` Service.
+
 Everything it starts is recorded (PIDs) in ``<run-dir>/state.json`` and stopped by PID.
 Binaries come from ``tests/cluster/build.sh`` (``make cluster-binaries``).
 
 CLI::
 
     python -m tests.cluster.harness up     # start (or reuse a healthy running one); prints KUBECONFIG
+    python -m tests.cluster.harness up --real-node   # ... plus the real node cpu-real-0
     python -m tests.cluster.harness env    # prints `export KUBECONFIG=...`
     python -m tests.cluster.harness down   # stop everything it started
 """
@@ -54,6 +59,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EMBEDOPS_CACHE", Path.home() / ".cache" / "embedops"))
 
 
+def k8s_dir() -> Path:
+    """The multi-call binary's dir, keyed by the version and a hash of k8s/main.go + k8s/go.mod (the component
+    list): build.sh computes the same key, so adding a component rebuilds instead of reusing an old binary."""
+    import hashlib
+
+    h = hashlib.sha256((HERE / "k8s" / "main.go").read_bytes() + (HERE / "k8s" / "go.mod").read_bytes())
+    return cache_dir() / "bin" / f"k8s-{versions()['KUBERNETES_VERSION']}-{h.hexdigest()[:8]}"
+
+
 def default_run_dir() -> Path:
     return Path(os.environ.get("EMBEDOPS_CLUSTER_DIR", HERE / ".run"))
 
@@ -72,7 +86,7 @@ class Binaries:
     def from_cache(cls) -> "Binaries":
         v = versions()
         b = cache_dir() / "bin"
-        k8s = b / f"k8s-{v['KUBERNETES_VERSION']}"
+        k8s = k8s_dir()
         bins = cls(
             apiserver=k8s / "kube-apiserver",
             controller_manager=k8s / "kube-controller-manager",
@@ -117,26 +131,57 @@ def _openssl(*args: str, cwd: Path) -> None:
                    stderr=subprocess.PIPE)
 
 
-def make_pki(d: Path) -> None:
-    """CA, API server serving cert, admin client cert (system:masters), service-account key pair."""
+def make_pki(d: Path, extra_ips: tuple[str, ...] = ()) -> None:
+    """CA, API server serving cert, admin client cert (system:masters), kubelet client cert (the API server's,
+    for logs/exec on a real node), service-account key pair. Cached in ``d``, keyed by the SAN list."""
     d.mkdir(parents=True, exist_ok=True)
-    if (d / ".done").exists():
+    sans = ("subjectAltName=IP:127.0.0.1,IP:10.96.0.1," + "".join(f"IP:{ip}," for ip in extra_ips)
+            + "DNS:localhost,DNS:kubernetes,"
+            "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local")
+    done = d / ".done"
+    if done.exists() and done.read_text() == sans:
         return
+    done.unlink(missing_ok=True)
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
              "-days", "3650", "-subj", "/CN=embedops-local-ca", cwd=d)
-    sans = ("subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
-            "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local")
     (d / "serving.ext").write_text(sans + "\nextendedKeyUsage=serverAuth\n")
     (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
     for name, subj, ext in (("apiserver", "/CN=kube-apiserver", "serving.ext"),
-                            ("admin", "/O=system:masters/CN=embedops-admin", "client.ext")):
+                            ("admin", "/O=system:masters/CN=embedops-admin", "client.ext"),
+                            ("apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client",
+                             "client.ext")):
         _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
                  "-subj", subj, cwd=d)
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
                  "-CAcreateserial", "-days", "3650", "-extfile", ext, "-out", f"{name}.crt", cwd=d)
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
-    (d / ".done").touch()
+    done.write_text(sans)
+
+
+def _sign(ca: Path, out: Path, name: str, subj: str, ext: str) -> None:
+    """A key and a certificate signed by the CA in ``ca``, into ``out`` (kept when the subject and extensions
+    are unchanged and the CA is the same)."""
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = out / f"{name}.stamp"
+    key = subj + "|" + ext + "|" + (ca / "ca.crt").read_text()
+    if stamp.exists() and stamp.read_text() == key and (out / f"{name}.crt").exists():
+        return
+    (out / f"{name}.ext").write_text(ext)
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+             "-subj", subj, cwd=out)
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", str(ca / "ca.crt"), "-CAkey", str(ca / "ca.key"),
+             "-CAcreateserial", "-CAserial", str(out / "ca.srl"), "-days", "3650", "-extfile", f"{name}.ext",
+             "-out", f"{name}.crt", cwd=out)
+    stamp.write_text(key)
+
+
+def make_client_cert(ca: Path, out: Path, name: str, subj: str) -> None:
+    _sign(ca, out, name, subj, "extendedKeyUsage=clientAuth\n")
+
+
+def make_serving_cert(ca: Path, out: Path, name: str, subj: str, sans: list[str]) -> None:
+    _sign(ca, out, name, subj, "subjectAltName=" + ",".join(sans) + "\nextendedKeyUsage=serverAuth\n")
 
 
 def write_kubeconfig(path: Path, server: str, pki: Path) -> None:
@@ -217,9 +262,24 @@ def node_manifests() -> list[dict]:
     ]
 
 
+def _node_step(fn, *args, **kwargs):
+    """Run a real-node step; its failures become RealNodeError (one line), so callers can go on without it."""
+    from tests.cluster.node import RealNodeError
+
+    try:
+        return fn(*args, **kwargs)
+    except RealNodeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported as the reason the cluster has no real node
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise RealNodeError(f"{type(e).__name__}: {msg}"[:400]) from e
+
+
 @dataclass
 class Cluster:
     run_dir: Path = field(default_factory=default_run_dir)
+    # Also run the real node cpu-real-0 (tests/cluster/node.py). None: whatever the run dir has (status/env).
+    real_node: bool | None = False
 
     @property
     def kubeconfig(self) -> Path:
@@ -254,7 +314,22 @@ class Cluster:
 
     def running(self) -> bool:
         st = self._state()
-        return bool(st.get("procs")) and all(self._alive(p) for p in st["procs"]) and self._readyz(st)
+        if not (bool(st.get("procs")) and all(self._alive(p) for p in st["procs"]) and self._readyz(st)):
+            return False
+        if self.real_node is not None and bool(st.get("real_node")) != bool(self.real_node):
+            return False
+        if st.get("real_node"):
+            from tests.cluster import node as realnode
+
+            rec = realnode.RealNode._load()
+            return bool(rec) and rec.get("owner") == str(self._node().run_dir) and all(
+                realnode._alive(p) for p in rec.get("procs", []))
+        return True
+
+    def _node(self):
+        from tests.cluster.node import RealNode
+
+        return RealNode(self.run_dir)
 
     # --- health --------------------------------------------------------------------------------
     def _ssl(self) -> ssl.SSLContext:
@@ -303,12 +378,20 @@ class Cluster:
         shutil.rmtree(rd / "etcd-data", ignore_errors=True)
         shutil.rmtree(rd / "logs", ignore_errors=True)
         (rd / "logs").mkdir()
+        node = None
+        if self.real_node:
+            from tests.cluster.node import HOST_IP, NodeBinaries
+            NodeBinaries.from_cache()
+            node = self._node()
+            # bridge, routes, guards: before the API server binds the bridge address
+            _node_step(node.prepare)
+        api_ip = HOST_IP if node else "127.0.0.1"
         pki = rd / "pki"
-        make_pki(pki)
+        make_pki(pki, (api_ip,) if node else ())
 
         etcd_port, peer_port, api_port, kcm_port, sched_port, kwok_port = (free_port() for _ in range(6))
-        server = f"https://127.0.0.1:{api_port}"
-        state: dict = {"server": server, "procs": [], "started": time.time()}
+        server = f"https://{api_ip}:{api_port}"
+        state: dict = {"server": server, "procs": [], "started": time.time(), "real_node": bool(node)}
         self._save(state)
         write_kubeconfig(self.kubeconfig, server, pki)
         kc = str(self.kubeconfig)
@@ -325,7 +408,7 @@ class Cluster:
             self._spawn(state, "kube-apiserver", [
                 str(bins.apiserver),
                 f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
+                f"--bind-address={api_ip}", f"--advertise-address={api_ip}", f"--secure-port={api_port}",
                 f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
                 f"--client-ca-file={pki / 'ca.crt'}",
                 "--authorization-mode=Node,RBAC",
@@ -334,7 +417,14 @@ class Cluster:
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 "--service-cluster-ip-range=10.96.0.0/16",
                 "--allow-privileged=true",
-                "--endpoint-reconciler-type=none",
+                # with the real node, the `kubernetes` Service points at the API server on the bridge (pods'
+                # in-cluster config); without, nothing could reach it
+                "--endpoint-reconciler-type=" + ("lease" if node else "none"),
+                f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+                f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+                # logs/exec: the node's IP, never its name through the machine's resolver
+                "--kubelet-preferred-address-types=InternalIP",
                 f"--cert-dir={rd / 'apiserver-certs'}",
                 "--v=1",
             ])
@@ -371,10 +461,22 @@ class Cluster:
                 "--node-ip=127.0.0.1", "--cidr=10.244.0.0/16", "--node-lease-duration-seconds=40",
             ])
             self._bootstrap(state, timeout)
+            t_cp = time.monotonic() - t0
+            if node:
+                from kubernetes import config
+
+                api = config.new_client_from_config(config_file=str(self.kubeconfig))
+                try:
+                    _node_step(node.up, server, pki, api, timeout=timeout)
+                finally:
+                    api.close()
+                state["real_node_ready_seconds"] = node.ready_seconds
+                state["real_node_up_seconds"] = node.up_seconds
         except BaseException:
             self.down(quiet=True)
             raise
         state["ready_seconds"] = round(time.monotonic() - t0, 1)
+        state["control_plane_seconds"] = round(t_cp, 1)
         state["apiserver_seconds"] = round(t_api, 1)
         self._save(state)
         return self.kubeconfig
@@ -414,8 +516,18 @@ class Cluster:
         api.close()
 
     def down(self, quiet: bool = False) -> None:
-        """Stop every process this harness started (by PID, newest first); no orphans."""
+        """Stop every process this harness started (by PID, newest first); no orphans. The real node (when
+        this run dir owns it) goes first, with everything it recorded."""
         st = self._state()
+        from tests.cluster import node as realnode
+
+        rec = realnode.RealNode._load()
+        if rec and rec.get("owner") == str(self._node().run_dir):
+            left = self._node().down()
+            if left:
+                print(f"real node: could not remove: {'; '.join(left)}", file=sys.stderr)
+            elif not quiet:
+                print(f"stopped: real node {realnode.NODE_NAME}")
         procs = st.get("procs", [])
         for p in reversed(procs):
             if self._alive(p):
@@ -447,13 +559,18 @@ class Cluster:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cmd = argv[0] if argv else "up"
-    c = Cluster()
+    real = "--real-node" in argv[1:]
+    c = Cluster(real_node=real if cmd == "up" else None)
     if cmd == "up":
         t = time.monotonic()
         kc = c.up()
         st = c._state()
         print(f"control plane up in {time.monotonic() - t:.1f}s "
               f"(kube-apiserver ready after {st.get('apiserver_seconds', '?')}s): {st['server']}")
+        if st.get("real_node"):
+            print(f"real node cpu-real-0 Ready {st.get('real_node_ready_seconds', '?')}s after its kubelet "
+                  f"started (node start-up {st.get('real_node_up_seconds', '?')}s, after the control plane's "
+                  f"{st.get('control_plane_seconds', '?')}s)")
         print(f"export KUBECONFIG={kc}")
         return 0
     if cmd == "env":

@@ -1,0 +1,256 @@
+"""The real node ``cpu-real-0`` (tests/cluster/node.py): real pods on this machine, joined to the local cluster.
+
+Skipped, with the recorded reason, only where the machine refuses (a package, the kernel, privileges);
+``EMBEDOPS_REQUIRE_REAL_NODE=1`` turns that skip into a failure. The last test takes the session's real
+node down, checks that nothing of it is left on the machine, and brings it back.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import socket
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.cluster
+
+KUBECTL = "/usr/bin/kubectl"
+
+
+@pytest.fixture(scope="module")
+def real(kube):
+    from tests.cluster import node
+
+    if not kube.real_node:
+        msg = f"no real node: {kube.real_node_reason}"
+        if os.environ.get("EMBEDOPS_REQUIRE_REAL_NODE") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    name, tar = node.busybox_image()
+    kube.import_images([tar])
+    return {"node": kube.real_node, "image": name}
+
+
+@pytest.fixture
+def core(kube):
+    from kubernetes import client
+
+    with kube.api_client() as api:
+        yield client.CoreV1Api(api)
+
+
+@pytest.fixture
+def ns(kube, core, real):
+    from kubernetes import client
+
+    name = f"rn-{uuid.uuid4().hex[:8]}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    wait_for(lambda: _has_default_sa(core, name), what="default ServiceAccount")
+    yield name
+    core.delete_namespace(name)
+
+
+def _has_default_sa(core, ns):
+    from kubernetes.client.rest import ApiException
+
+    try:
+        core.read_namespaced_service_account("default", ns)
+        return True
+    except ApiException:
+        return False
+
+
+def _pod(real, name, command, *, labels=None, memory="64Mi", restart="Never"):
+    from tests.cluster.node import REAL_NODE_LABEL
+
+    return {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels or {}},
+        "spec": {
+            "nodeSelector": {REAL_NODE_LABEL: "true"},
+            "tolerations": [{"key": REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}],
+            "restartPolicy": restart, "terminationGracePeriodSeconds": 1, "enableServiceLinks": False,
+            "containers": [{"name": "c", "image": real["image"], "imagePullPolicy": "Never",
+                            "command": ["/bin/sh", "-c", command],
+                            "resources": {"limits": {"cpu": "100m", "memory": memory}}}],
+        },
+    }
+
+
+def _running(core, ns, name):
+    p = core.read_namespaced_pod(name, ns)
+    return p if p.status.phase == "Running" and p.status.pod_ip else None
+
+
+def _kubectl(kube, *args, check=True, timeout=30):
+    p = subprocess.run([KUBECTL, f"--kubeconfig={kube.kubeconfig}", *args], capture_output=True, text=True,
+                       timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"kubectl {' '.join(args)}: rc={p.returncode}: {p.stderr}")
+    return p
+
+
+def _tcp_read(host, port, timeout=5.0) -> bytes:
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+        return data
+
+
+def test_node_ready_with_labels_and_real_capacity(kube, core, real):
+    from tests.cluster.node import REAL_NODE_LABEL, REAL_NODE_TAINT, nfd_labels
+
+    n = core.read_node(real["node"])
+    assert any(c.type == "Ready" and c.status == "True" for c in n.status.conditions)
+    labels = n.metadata.labels
+    assert labels[REAL_NODE_LABEL] == "true"
+    for k, v in nfd_labels().items():
+        assert labels.get(k) == v, k
+    assert "kwok.x-k8s.io/node" not in (n.metadata.annotations or {})
+    assert int(n.status.capacity["cpu"]) == os.cpu_count()  # what the kubelet reports, not made up
+    if os.environ.get("EMBEDOPS_REAL_NODE_TAINT", "1") != "0":
+        assert any(t.key == REAL_NODE_TAINT["key"] and t.effect == "NoSchedule" for t in n.spec.taints or [])
+    assert n.status.addresses[0].address == "10.245.0.1"
+    assert n.status.node_info.kubelet_version == "v1.34.4"
+
+
+def test_pod_ip_service_from_host_and_pod_logs_exec(kube, core, ns, real):
+    kube.apply([_pod(real, "web", "exec nc -ll -p 8080 -e /bin/echo hello-web", labels={"app": "web"}),
+                _pod(real, "client", "echo client-started; exec sleep 3600")], namespace=ns)
+    web = wait_for(lambda: _running(core, ns, "web"), timeout=60, what="web Running")
+    wait_for(lambda: _running(core, ns, "client"), timeout=60, what="client Running")
+    assert web.spec.node_name == real["node"]
+    assert ipaddress.ip_address(web.status.pod_ip) in ipaddress.ip_network("10.245.0.0/24")
+    # the pod IP from the host
+    assert wait_for(lambda: _try(lambda: _tcp_read(web.status.pod_ip, 8080)), timeout=20,
+                    what="pod IP answers") == b"hello-web\n"
+    kube.apply([{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
+                 "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]}}],
+               namespace=ns)
+    ip = core.read_namespaced_service("web", ns).spec.cluster_ip
+    # the Service from the host (kube-proxy's DNAT in OUTPUT) ...
+    assert wait_for(lambda: _try(lambda: _tcp_read(ip, 80)), timeout=30,
+                    what="ClusterIP answers from the host") == b"hello-web\n"
+    # ... and from another pod (through the bridge), via kubectl exec
+    out = wait_for(lambda: _kubectl(kube, "-n", ns, "exec", "client", "--", "nc", "-w", "3", ip, "80",
+                                    check=False).stdout, timeout=30, what="ClusterIP from a pod")
+    assert out == "hello-web\n"
+    # kubectl logs
+    assert _kubectl(kube, "-n", ns, "logs", "client").stdout == "client-started\n"
+    # the pods' resolv.conf: the cluster DNS only, never the host's resolvers
+    resolv = _kubectl(kube, "-n", ns, "exec", "client", "--", "cat", "/etc/resolv.conf").stdout
+    assert [ln.split()[1] for ln in resolv.splitlines() if ln.startswith("nameserver")] == ["10.245.0.1"]
+    assert f"search {ns}.svc.cluster.local svc.cluster.local cluster.local" in resolv
+
+
+def _try(fn):
+    try:
+        return fn()
+    except OSError:
+        return None
+
+
+def test_cluster_dns_in_a_pod_and_nothing_outside(kube, core, ns, real):
+    kube.apply([_pod(real, "dns", "exec sleep 3600"),
+                {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "named"},
+                 "spec": {"selector": {"app": "none"}, "ports": [{"port": 80}]}}], namespace=ns)
+    wait_for(lambda: _running(core, ns, "dns"), timeout=60, what="dns pod Running")
+    ip = core.read_namespaced_service("named", ns).spec.cluster_ip
+    fqdn = f"named.{ns}.svc.cluster.local"
+    out = wait_for(lambda: (lambda p: p.stdout if ip in p.stdout else None)(
+        _kubectl(kube, "-n", ns, "exec", "dns", "--", "nslookup", "-type=a", fqdn, check=False)),
+        timeout=30, what=f"{fqdn} resolves in the pod")
+    assert ip in out
+    # the short name through the search path
+    assert ip in _kubectl(kube, "-n", ns, "exec", "dns", "--", "nslookup", "-type=a", "named", check=False).stdout
+    # a name outside the cluster: refused by CoreDNS (no forwarding), nothing resolved
+    p = _kubectl(kube, "-n", ns, "exec", "dns", "--", "nslookup", "-type=a", "example.com.", check=False)
+    assert p.returncode != 0 and "Address" not in p.stdout.split("example.com", 1)[-1], p.stdout
+
+
+def test_memory_limit_oomkills(kube, core, ns, real):
+    kube.apply([_pod(real, "hog", "exec dd if=/dev/zero of=/dev/null bs=96M count=1", memory="32Mi")],
+               namespace=ns)
+
+    def terminated():
+        p = core.read_namespaced_pod("hog", ns)
+        st = (p.status.container_statuses or [None])[0]
+        return st and st.state.terminated
+
+    t = wait_for(terminated, timeout=60, what="hog terminated")
+    assert t.reason == "OOMKilled", t
+
+
+def test_deleted_pod_leaves_no_container_netns_or_mount(kube, core, ns, real):
+    from tests.cluster import node
+
+    def netns_mounts():
+        return {ln.split()[4] for ln in Path("/proc/self/mountinfo").read_text().splitlines()
+                if "/netns/" in ln.split()[4] and ln.split()[4].startswith(str(node.STATE))}
+
+    before = netns_mounts()
+    kube.apply([_pod(real, "gone", "exec sleep 3600")], namespace=ns)
+    p = wait_for(lambda: _running(core, ns, "gone"), timeout=60, what="pod Running")
+    cid = p.status.container_statuses[0].container_id.split("://", 1)[1]
+    mine = netns_mounts() - before
+    assert mine, "no netns mount for the new pod's sandbox"
+    assert cid in _ctr("containers", "ls", "-q")
+    assert any(cid in ln for ln in Path("/proc/self/mountinfo").read_text().splitlines())
+    core.delete_namespaced_pod("gone", ns, grace_period_seconds=0)
+
+    def gone_everywhere():
+        from kubernetes.client.rest import ApiException
+
+        try:
+            core.read_namespaced_pod("gone", ns)
+            return False
+        except ApiException as e:
+            if e.status != 404:
+                raise
+        return (cid not in _ctr("containers", "ls", "-q") and not (mine & netns_mounts())
+                and not any(cid in ln for ln in Path("/proc/self/mountinfo").read_text().splitlines()))
+
+    wait_for(gone_everywhere, timeout=60, what="pod, container, netns and mounts gone")
+
+
+def _ctr(*args) -> str:
+    from tests.cluster import node
+
+    return subprocess.run(["ctr", "--address", str(node.SOCK), "-n", "k8s.io", *args], capture_output=True,
+                          text=True, check=True).stdout
+
+
+def test_second_owner_is_refused(kube, real, tmp_path):
+    from tests.cluster import node
+
+    with pytest.raises(node.RealNodeInUse, match="in use by"):
+        node.RealNode(tmp_path / "other").prepare()
+
+
+def test_z_down_leaves_nothing_then_back(kube, real):
+    """Last in this module: the session's real node down, the machine checked against the record's
+    before-state, then the node brought back for the tests after this one."""
+    from kubernetes import config
+
+    from tests.cluster import harness, node
+
+    cluster = harness.Cluster(run_dir=harness.default_run_dir() / "pytest", real_node=True)
+    rec = node.RealNode._load()
+    assert rec and rec["owner"] == str(cluster._node().run_dir)
+    assert cluster._node().down() == []
+    assert node.leftovers(rec) == []
+    # back, as the session had it
+    n = cluster._node()
+    n.prepare()
+    st = json.loads(cluster.state_file.read_text())
+    api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    try:
+        n.up(st["server"], cluster.run_dir / "pki", api)
+    finally:
+        api.close()
+    kube.import_images([node.busybox_image()[1]])
