@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup cluster-binaries test demo demo-down e2e-kind bench lint
+.PHONY: setup cluster-binaries test demo demo-down e2e-kind bench lint images
 
 setup:
 	./scripts/setup.sh
@@ -17,6 +17,11 @@ cluster-binaries:
 
 test: setup cluster-binaries
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The server (CPU) and operator images, built with podman from a debootstrap base and a host wheelhouse,
+# cached in ~/.cache/embedops/images (docs/images.md); prints the refs and containerd archives as JSON.
+images:
+	$(PY) -m tests.cluster.images build server operator
 
 demo: setup cluster-binaries
 	./scripts/demo.sh up
