@@ -378,19 +378,19 @@ class Cluster:
         shutil.rmtree(rd / "etcd-data", ignore_errors=True)
         shutil.rmtree(rd / "logs", ignore_errors=True)
         (rd / "logs").mkdir()
+        etcd_port, peer_port, api_port, kcm_port, sched_port, kwok_port = (free_port() for _ in range(6))
         node = None
         if self.real_node:
             from tests.cluster.node import HOST_IP, NodeBinaries
             NodeBinaries.from_cache()
             node = self._node()
-            # bridge, routes, guards: before the API server binds the bridge address
-            _node_step(node.prepare)
-        api_ip = HOST_IP if node else "127.0.0.1"
+            # bridge, routes, guards (one keeps the API server's port to lo and the bridge): before it listens
+            _node_step(node.prepare, api_port)
         pki = rd / "pki"
-        make_pki(pki, (api_ip,) if node else ())
-
-        etcd_port, peer_port, api_port, kcm_port, sched_port, kwok_port = (free_port() for _ in range(6))
-        server = f"https://{api_ip}:{api_port}"
+        make_pki(pki, (HOST_IP,) if node else ())
+        # Host clients (kubeconfig, the node's own components) always use 127.0.0.1: nothing on the host ever
+        # depends on the bridge address, so none of it can be routed off the machine once the bridge is gone.
+        server = f"https://127.0.0.1:{api_port}"
         state: dict = {"server": server, "procs": [], "started": time.time(), "real_node": bool(node)}
         self._save(state)
         write_kubeconfig(self.kubeconfig, server, pki)
@@ -408,7 +408,10 @@ class Cluster:
             self._spawn(state, "kube-apiserver", [
                 str(bins.apiserver),
                 f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-                f"--bind-address={api_ip}", f"--advertise-address={api_ip}", f"--secure-port={api_port}",
+                # with the real node it listens on all addresses (pods come in on 10.245.0.1, the advertised address;
+                # node.py's EMBEDOPS-IN guard drops the port on any other interface than lo and the bridge)
+                f"--bind-address={'0.0.0.0' if node else '127.0.0.1'}",
+                f"--advertise-address={HOST_IP if node else '127.0.0.1'}", f"--secure-port={api_port}",
                 f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
                 f"--client-ca-file={pki / 'ca.crt'}",
                 "--authorization-mode=Node,RBAC",
@@ -522,21 +525,35 @@ class Cluster:
         from tests.cluster import node as realnode
 
         rec = realnode.RealNode._load()
-        if rec and rec.get("owner") == str(self._node().run_dir):
+        owns_node = bool(rec) and rec.get("owner") == str(self._node().run_dir)
+        if owns_node:
+            self._node().stop()  # its processes and pods; the network after the control plane
+        procs = st.get("procs", [])
+        # etcd last: the API server's lease endpoint reconciler removes its lease on the way out
+        self._stop([p for p in reversed(procs) if p["name"] != "etcd"])
+        self._stop([p for p in procs if p["name"] == "etcd"])
+        if owns_node:
             left = self._node().down()
             if left:
                 print(f"real node: could not remove: {'; '.join(left)}", file=sys.stderr)
             elif not quiet:
                 print(f"stopped: real node {realnode.NODE_NAME}")
-        procs = st.get("procs", [])
-        for p in reversed(procs):
+        if procs and not quiet:
+            print(f"stopped: {', '.join(p['name'] + '(' + str(p['pid']) + ')' for p in procs)}")
+        if self.state_file.exists():
+            self.state_file.unlink()
+        shutil.rmtree(self.run_dir / "etcd-data", ignore_errors=True)
+
+    def _stop(self, procs: list[dict]) -> None:
+        """TERM, then KILL after 15 s; by PID, checked against argv0 first."""
+        for p in procs:
             if self._alive(p):
                 try:
                     os.kill(p["pid"], signal.SIGTERM)
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + 15
-        for p in reversed(procs):
+        for p in procs:
             while self._alive(p) and time.monotonic() < deadline:
                 time.sleep(0.1)
             if self._alive(p):
@@ -549,11 +566,6 @@ class Cluster:
                 os.waitpid(p["pid"], os.WNOHANG)
             except ChildProcessError:
                 pass
-        if procs and not quiet:
-            print(f"stopped: {', '.join(p['name'] + '(' + str(p['pid']) + ')' for p in procs)}")
-        if self.state_file.exists():
-            self.state_file.unlink()
-        shutil.rmtree(self.run_dir / "etcd-data", ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,7 @@ REAL_NODE_TOLERATION = {"key": REAL_NODE_LABEL, "operator": "Exists", "effect": 
 NO_PROXY_URL = "http://127.0.0.1:9"
 GUARD_FWD = "EMBEDOPS-FWD"
 GUARD_OUT = "EMBEDOPS-OUT"
+GUARD_IN = "EMBEDOPS-IN"
 
 # Machine-wide and short (unix socket paths are limited to 108 bytes).
 STATE = Path(os.environ.get("EMBEDOPS_NODE_STATE", "/run/embedops/node"))
@@ -414,7 +415,10 @@ class RealNode:
         return any(_alive_cp(p) for p in st.get("procs", []) if p.get("name") == "kube-apiserver")
 
     # --- prepare: lock, leftovers, network -------------------------------------------------------
-    def prepare(self) -> None:
+    def prepare(self, api_port: int | None = None) -> None:
+        """Lock, leftovers of a previous record, then the network: bridge, routes, guards. With ``api_port``
+        the API server may listen on all addresses (pods reach it on 10.245.0.1 through the ``kubernetes``
+        Service, host clients on 127.0.0.1): a guard drops that port on every interface but lo and the bridge."""
         reason = preflight()
         if reason:
             raise RealNodeUnavailable(reason)
@@ -449,13 +453,15 @@ class RealNode:
                                    _run("ip", "-o", "link", "show", check=False).stdout.splitlines()]
             rec["routes"] = [["blackhole", KWOK_POD_CIDR], [SERVICE_CIDR, "dev", BRIDGE]]
             self._save(rec)
+            rec["api_port"] = api_port
+            self._save(rec)
             try:
-                self._network()
+                self._network(api_port)
             except Exception:
                 _teardown(rec)
                 raise
 
-    def _network(self) -> None:
+    def _network(self, api_port: int | None) -> None:
         if _run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
             raise RuntimeError(f"interface {BRIDGE} exists and is not in the node record; remove it by hand")
         _run("ip", "link", "add", BRIDGE, "type", "bridge")
@@ -475,6 +481,13 @@ class RealNode:
             _run("iptables", "-t", "mangle", "-A", GUARD_OUT, "-m", "conntrack", "--ctorigdst", cidr, "-j", "DROP")
             _run("iptables", "-t", "mangle", "-A", GUARD_OUT, "-d", cidr, "-j", "DROP")
         _run("iptables", "-t", "mangle", "-I", "POSTROUTING", "1", "-j", GUARD_OUT)
+        if api_port:
+            for cmd in ("iptables", "ip6tables"):
+                _run(cmd, "-t", "mangle", "-N", GUARD_IN)
+                _run(cmd, "-t", "mangle", "-A", GUARD_IN, "-i", "lo", "-j", "RETURN")
+                _run(cmd, "-t", "mangle", "-A", GUARD_IN, "-i", BRIDGE, "-j", "RETURN")
+                _run(cmd, "-t", "mangle", "-A", GUARD_IN, "-p", "tcp", "--dport", str(api_port), "-j", "DROP")
+                _run(cmd, "-t", "mangle", "-I", "INPUT", "1", "-j", GUARD_IN)
         # Service traffic between pods on the bridge goes through iptables (kube-proxy's DNAT); hairpin needs
         # forwarding on, which the guards above restrict to the bridge.
         _sysctl_set("net/bridge/bridge-nf-call-iptables", "1")
@@ -669,6 +682,14 @@ class RealNode:
         import_into_containerd(str(SOCK), [Path(a) for a in archives])
 
     # --- down ------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop the node's processes and pods only (the cluster stops its control plane next, while the bridge
+        address still exists, then calls down())."""
+        with _locked():
+            rec = self._load()
+            if rec and rec.get("owner") == str(self.run_dir):
+                _stop_processes(rec)
+
     def down(self) -> list[str]:
         """Remove what the record holds (only if this run dir owns it). Returns what could not be removed."""
         with _locked():
@@ -732,13 +753,11 @@ def _shims(state: str) -> list[dict]:
     return out
 
 
-def _teardown(rec: dict) -> list[str]:
-    """Remove everything the record lists; tolerant of half-made state. Returns leftovers (empty = clean)."""
-    problems: list[str] = []
+def _stop_processes(rec: dict) -> None:
+    """kubelet first (it would restart containers), every process in the kubepods cgroups, then the other node
+    processes and the shims of this containerd."""
     procs = rec.get("procs", [])
-    by_name = {p["name"]: p for p in procs}
-    # 1. kubelet first (it would restart containers), then every process in the kubepods cgroups.
-    _stop([by_name[n] for n in ("kubelet",) if n in by_name])
+    _stop([p for p in procs if p["name"] == "kubelet"])
     cg = [c for c in rec.get("cgroups", []) if os.path.isdir(c)]
     for _ in range(50):
         pids = _cgroup_procs(cg)
@@ -748,9 +767,15 @@ def _teardown(rec: dict) -> list[str]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.1)
-    # 2. the other node processes, then the shims of our containerd.
     _stop([p for p in reversed(procs) if p["name"] != "kubelet"])
     _stop(_shims(rec.get("state", str(STATE))))
+
+
+def _teardown(rec: dict) -> list[str]:
+    """Remove everything the record lists; tolerant of half-made state. Returns leftovers (empty = clean)."""
+    problems: list[str] = []
+    # 1-2. processes
+    _stop_processes(rec)
     # 3. mounts under the node's dirs (netns, shm, rootfs overlays, the kubelet root's shared bind mount).
     roots = [Path(rec["data"]), Path(rec.get("state", str(STATE)))]
     left = _umount_all(roots)

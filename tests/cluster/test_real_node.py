@@ -6,6 +6,7 @@ node down, checks that nothing of it is left on the machine, and brings it back.
 """
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -225,6 +226,97 @@ def _ctr(*args) -> str:
                           text=True, check=True).stdout
 
 
+@pytest.fixture
+def outside():
+    """A stand-in for "the outside": a network namespace of this test's own behind a veth pair (eot0, host side
+    198.51.100.254; inside 198.51.100.1 with a listener on :80). Without the guards a pod's packet or a Service
+    DNATed to that address would go there; with them nothing arrives. Nothing here leaves the machine either."""
+    ns, made_run_netns = "embedops-t-out", not os.path.exists("/run/netns")
+
+    def sh(*argv, check=True):
+        return subprocess.run(argv, capture_output=True, text=True, check=check)
+
+    sh("ip", "netns", "add", ns)
+    listener = None
+    try:
+        sh("ip", "link", "add", "eot0", "type", "veth", "peer", "name", "eot1")
+        sh("ip", "link", "set", "eot1", "netns", ns)
+        sh("ip", "addr", "add", "198.51.100.254/24", "dev", "eot0")
+        sh("ip", "link", "set", "eot0", "up")
+        for argv in (("ip", "addr", "add", "198.51.100.1/24", "dev", "eot1"), ("ip", "link", "set", "eot1", "up"),
+                     ("ip", "link", "set", "lo", "up"), ("ip", "route", "add", "default", "via", "198.51.100.254")):
+            sh("ip", "netns", "exec", ns, *argv)
+        listener = subprocess.Popen(["ip", "netns", "exec", ns, "busybox", "nc", "-ll", "-p", "80", "-e", "busybox",
+                                     "echo", "leaked"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # the listener answers the host (local traffic, not forwarded): what the pods below cannot reach
+        assert wait_for(lambda: _try(lambda: _tcp_read("198.51.100.1", 80, timeout=2)), timeout=10,
+                        what="outside listener") == b"leaked\n"
+        yield "198.51.100.1"
+    finally:
+        if listener:
+            listener.kill()
+            listener.wait()
+        sh("ip", "link", "del", "eot0", check=False)
+        sh("ip", "netns", "del", ns, check=False)
+        if made_run_netns:  # `ip netns add` made /run/netns a bind mount of itself
+            sh("umount", "/run/netns", check=False)
+            with contextlib.suppress(OSError):
+                os.rmdir("/run/netns")
+
+
+def _guard_drops() -> int:
+    out = subprocess.run(["iptables", "-t", "mangle", "-L", "-v", "-x", "-n"], capture_output=True, text=True).stdout
+    total, chain = 0, None
+    for line in out.splitlines():
+        if line.startswith("Chain "):
+            chain = line.split()[1]
+        elif chain and chain.startswith("EMBEDOPS-") and " DROP " in f" {line} ":
+            total += int(line.split()[0])
+    return total
+
+
+def test_nothing_leaves_through_another_interface(kube, core, ns, real, outside):
+    kube.apply([_pod(real, "probe", "exec sleep 3600"),
+                {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "ext"},
+                 "spec": {"ports": [{"port": 80, "targetPort": 80}]}},
+                # an EndpointSlice that points a Service at the "outside" address
+                {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                 "metadata": {"name": "ext-1", "labels": {"kubernetes.io/service-name": "ext"}},
+                 "addressType": "IPv4", "ports": [{"port": 80, "protocol": "TCP", "name": ""}],
+                 "endpoints": [{"addresses": [outside], "conditions": {"ready": True}}]}], namespace=ns)
+    wait_for(lambda: _running(core, ns, "probe"), timeout=60, what="probe Running")
+    ip = core.read_namespaced_service("ext", ns).spec.cluster_ip
+    wait_for(lambda: ip in subprocess.run(["iptables-save", "-t", "nat"], capture_output=True, text=True).stdout,
+             timeout=30, what="kube-proxy's rules for the ext Service")
+    drops = _guard_drops()
+    # a pod straight to the outside address: forwarded off the bridge -> dropped
+    p = _kubectl(kube, "-n", ns, "exec", "probe", "--", "nc", "-w", "2", outside, "80", check=False)
+    assert "leaked" not in p.stdout
+    # a pod to a Service whose endpoint is outside: DNATed, then dropped the same way
+    p = _kubectl(kube, "-n", ns, "exec", "probe", "--", "nc", "-w", "2", ip, "80", check=False)
+    assert "leaked" not in p.stdout
+    # the host to that Service: DNATed in OUTPUT, dropped in POSTROUTING (EMBEDOPS-OUT)
+    assert _try(lambda: _tcp_read(ip, 80, timeout=2)) in (None, b"")
+    assert _guard_drops() > drops
+
+
+def test_kwok_pod_addresses_are_a_blackhole(kube, core, ns, real):
+    kube.apply([{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "fake", "labels": {"app": "fake"}},
+                 "spec": {"nodeSelector": {"kubernetes.io/hostname": "cpu-plain-0"},
+                          "containers": [{"name": "c", "image": "registry.invalid/none:0"}]}},
+                {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "fake"},
+                 "spec": {"selector": {"app": "fake"}, "ports": [{"port": 80}]}}], namespace=ns)
+    pod = wait_for(lambda: _running(core, ns, "fake"), timeout=60, what="kwok pod Running")
+    assert pod.status.pod_ip.startswith("10.244.")
+    r = subprocess.run(["ip", "route", "get", pod.status.pod_ip], capture_output=True, text=True)
+    assert r.returncode != 0 or "blackhole" in r.stdout  # never via eth0
+    ip = core.read_namespaced_service("fake", ns).spec.cluster_ip
+    wait_for(lambda: ip in subprocess.run(["iptables-save", "-t", "nat"], capture_output=True, text=True).stdout,
+             timeout=30, what="kube-proxy's rules for the fake Service")
+    with pytest.raises(OSError):
+        _tcp_read(ip, 80, timeout=2)
+
+
 def test_second_owner_is_refused(kube, real, tmp_path):
     from tests.cluster import node
 
@@ -246,8 +338,8 @@ def test_z_down_leaves_nothing_then_back(kube, real):
     assert node.leftovers(rec) == []
     # back, as the session had it
     n = cluster._node()
-    n.prepare()
     st = json.loads(cluster.state_file.read_text())
+    n.prepare(int(st["server"].rsplit(":", 1)[1]))
     api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
     try:
         n.up(st["server"], cluster.run_dir / "pki", api)
