@@ -423,11 +423,11 @@ class Cluster:
                 # with the real node, the `kubernetes` Service points at the API server on the bridge (pods'
                 # in-cluster config); without, nothing could reach it
                 "--endpoint-reconciler-type=" + ("lease" if node else "none"),
-                f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
-                f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
-                f"--kubelet-certificate-authority={pki / 'ca.crt'}",
-                # logs/exec: the node's IP, never its name through the machine's resolver
-                "--kubelet-preferred-address-types=InternalIP",
+                *([f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+                   f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+                   f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+                   # logs/exec: the node's IP, never its name through the machine's resolver
+                   "--kubelet-preferred-address-types=InternalIP"] if node else []),
                 f"--cert-dir={rd / 'apiserver-certs'}",
                 "--v=1",
             ])
@@ -574,8 +574,14 @@ def main(argv: list[str] | None = None) -> int:
     real = "--real-node" in argv[1:]
     c = Cluster(real_node=real if cmd == "up" else None)
     if cmd == "up":
+        from tests.cluster.node import RealNodeError
+
         t = time.monotonic()
-        kc = c.up()
+        try:
+            kc = c.up()
+        except RealNodeError as e:
+            print(f"harness: real node: {e}", file=sys.stderr)
+            return 1
         st = c._state()
         print(f"control plane up in {time.monotonic() - t:.1f}s "
               f"(kube-apiserver ready after {st.get('apiserver_seconds', '?')}s): {st['server']}")
