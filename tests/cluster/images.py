@@ -174,7 +174,7 @@ def _make_base() -> None:
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "--numeric-owner", "-cf", "-", "."],
                                stdout=subprocess.PIPE)
         _run(["podman", "import", "--change", 'CMD ["/bin/bash"]', "--change", "ENV LANG=C.UTF-8",
-              "-", BASE_REF], stdin=tar.stdout, stdout=subprocess.DEVNULL)
+              "--quiet", "-", BASE_REF], stdin=tar.stdout, capture_output=True)
         if tar.wait() != 0:
             raise RuntimeError("tar of the debootstrap root failed")
     finally:
@@ -351,7 +351,7 @@ def _build_locked(name: str, ref: str, dockerfile: str, args: dict[str, str], ar
         t0 = time.time()
         tmp = archive.with_suffix(".tar.tmp")
         tmp.unlink(missing_ok=True)
-        _run(["podman", "save", "--format", "docker-archive", "-o", str(tmp), ref], stdout=subprocess.DEVNULL)
+        _run(["podman", "save", "--quiet", "--format", "docker-archive", "-o", str(tmp), ref], capture_output=True)
         os.replace(tmp, archive)
         stamp.write_text(image_id)
         _log(f"saved {archive} in {time.time() - t0:.0f}s")
