@@ -404,7 +404,11 @@ class RealNode:
 
     @staticmethod
     def _owner_alive(rec: dict) -> bool:
-        """The recorded owner still runs a node: a node process is alive and its control plane too."""
+        """The recorded owner still holds the node: the process that made the record is still running (it may be
+        between prepare() and its first node process), or a node process is alive and its control plane too."""
+        pid, start = rec.get("creator_pid"), rec.get("creator_start")
+        if pid and start and _proc_start(pid) == start:
+            return True
         if not any(_alive(p) for p in rec.get("procs", [])):
             return False
         owner = Path(rec.get("owner", ""))
@@ -430,7 +434,8 @@ class RealNode:
             if rec:
                 _teardown(rec)
             STATE.mkdir(parents=True, exist_ok=True)
-            rec = {"owner": str(self.run_dir), "creator_pid": os.getpid(), "created": time.time(),
+            rec = {"owner": str(self.run_dir), "creator_pid": os.getpid(), "creator_start": _proc_start(os.getpid()),
+                   "created": time.time(),
                    "data": str(self.data), "state": str(STATE), "procs": [], "sysctls": {}, "links": [],
                    "routes": [], "iptables": {}, "nft_tables_before": _nft_tables(), "cgroups": [],
                    "outside_dirs": [d for d in OUTSIDE_DIRS if not os.path.lexists(d)]}
@@ -1022,3 +1027,41 @@ COREFILE = """\
     cache 5
 }}
 """
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.cluster.node status|release``: who holds the machine's real node; ``release`` stops
+    that owner's whole cluster (its harness ``down``: node, then control plane), e.g. one a killed session
+    left running that a new session or CI would otherwise find "in use"."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    cmd = argv[0] if argv else "status"
+    rec = RealNode._load()
+    if cmd == "status":
+        if not rec:
+            print("free")
+        else:
+            print(f"held by {rec['owner']} ({'alive' if RealNode._owner_alive(rec) else 'stale'})")
+        return 0
+    if cmd == "release":
+        if not rec:
+            print("free")
+            return 0
+        from tests.cluster.harness import Cluster
+
+        Cluster(run_dir=Path(rec["owner"]), real_node=None).down()
+        left = RealNode._load()
+        if left:  # the owner's run dir did not own it any more (or is gone): remove what the record lists
+            with _locked():
+                problems = _teardown(left)
+            if problems:
+                print("could not remove: " + "; ".join(problems), file=sys.stderr)
+                return 1
+        return 0
+    print(main.__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
