@@ -5,25 +5,34 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup cluster-binaries test demo demo-down e2e-kind bench lint images
+.PHONY: setup host-packages cluster-binaries demo-binaries test demo demo-down e2e-kind bench lint images
 
 setup:
 	./scripts/setup.sh
 
-# Control plane binaries (kube-apiserver, controller-manager, scheduler, kwok, etcd, helm),
-# built or fetched once per version into ~/.cache/embedops.
-cluster-binaries:
-	@if [ -x tests/cluster/build.sh ]; then ./tests/cluster/build.sh; else echo "cluster-binaries: not yet available"; fi
+# Debian packages for the images and the real node (podman, containerd, runc, CNI plugins, debootstrap, ...).
+host-packages:
+	./scripts/host-packages.sh
 
-test: setup cluster-binaries
+# Control plane and real-node binaries (kube-apiserver, controller-manager, scheduler, kubelet, kube-proxy,
+# kwok, etcd, CoreDNS, helm, kstatus, Flux), built or fetched once per version into ~/.cache/embedops.
+cluster-binaries:
+	./tests/cluster/build.sh
+
+# What the demo runs, and nothing it does not (no Flux controllers, no kstatus CLI).
+demo-binaries:
+	./tests/cluster/build.sh k8s kwok etcd coredns crds
+
+# The images are built (cached) by the tests that run them; see `images` below.
+test: setup host-packages cluster-binaries
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The server (CPU) and operator images, built with podman from a debootstrap base and a host wheelhouse,
 # cached in ~/.cache/embedops/images (docs/images.md); prints the refs and containerd archives as JSON.
-images:
+images: setup host-packages
 	$(PY) -m tests.cluster.images build server operator
 
-demo: setup cluster-binaries
+demo: setup host-packages demo-binaries
 	./scripts/demo.sh up
 
 demo-down:

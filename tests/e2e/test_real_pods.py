@@ -1,0 +1,399 @@
+"""The serving path through real containers: the locally built images on a real kubelet.
+
+On the local control plane this needs its real node ``cpu-real-0`` (kubelet + containerd + kube-proxy +
+CoreDNS, tests/cluster/node.py) and the images of tests/cluster/images.py; both are started/built by the
+``kube`` fixture and this module. Skipped, with the node's recorded reason, only where the kernel or a
+package refuses (``EMBEDOPS_REQUIRE_REAL_NODE=1`` makes that a failure). On another cluster (kind) set
+``EMBEDOPS_E2E_REAL_PODS=1`` with the image refs in ``EMBEDOPS_SERVER_IMAGE_CPU``/``EMBEDOPS_OPERATOR_IMAGE``.
+
+What a platform engineer's first ``kubectl apply`` exercises, each checked for real: the image's entry point
+under the rendered security context, the probes as a kubelet runs them, Service routing and cluster DNS, the
+PVC mount, a rollout and pod loss under load (the preStop delay and the server's drain), the operator as a
+pod installed by its Helm chart with in-cluster credentials, and /metrics through the ServiceMonitor's port.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.e2e import conftest as e2e
+from tests.e2e.conftest import GROUP, PLURAL, REPO, VERSION, EmbSvc, operator_log, wait_for
+from tests.e2e.real_pods import (DEFAULT_MODELS_HOSTPATH, LOAD_CLIENT, MINILM, REAL_NODE_TOLERATIONS, RERANKER, client_pod, exec_in,
+                                 for_real_node, pod_log, prepare_models, run_client, wait_pod_phase)
+from tests.e2e.test_examples import prerequisites
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+TEXTS = ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
+         "Kubernetes schedules pods onto nodes."]
+
+
+@dataclass
+class RealPods:
+    server_image: str
+    operator_image: str | None
+    node_selector: dict
+    models_hostpath: str
+    local_node: str | None   # the harness's real node (this machine): host-side checks are possible
+
+
+@pytest.fixture(scope="module")
+def real(kube) -> RealPods:
+    hostpath = os.environ.get("EMBEDOPS_E2E_MODELS_HOSTPATH", DEFAULT_MODELS_HOSTPATH)
+    if not kube.local:
+        if os.environ.get("EMBEDOPS_E2E_REAL_PODS") != "1":
+            pytest.skip("set EMBEDOPS_E2E_REAL_PODS=1 (and the image refs) to run real-pod tests on this cluster")
+        sel = dict(kv.split("=", 1) for kv in
+                   os.environ.get("EMBEDOPS_E2E_REAL_NODE_SELECTOR", "embedops.dev/pool=cpu-plain").split(","))
+        return RealPods(os.environ["EMBEDOPS_SERVER_IMAGE_CPU"], os.environ.get("EMBEDOPS_OPERATOR_IMAGE"),
+                        sel, hostpath, None)
+    if not getattr(kube, "real_node", None):
+        reason = f"no real node on the local control plane: {getattr(kube, 'real_node_reason', 'not supported')}"
+        if os.environ.get("EMBEDOPS_REQUIRE_REAL_NODE") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    from tests.cluster import images
+
+    t = time.monotonic()
+    built = images.build(("server", "operator"))
+    kube.import_images(built)
+    prepare_models(Path(hostpath))
+    print(f"real pods: images {[i.ref for i in built.values()]} and models ready in {time.monotonic() - t:.0f}s")
+    return RealPods(built["server"].ref, built["operator"].ref,
+                    {"kubernetes.io/hostname": kube.real_node}, hostpath, kube.real_node)
+
+
+@pytest.fixture(scope="module")
+def ns(kube, api, operator):
+    """One watched namespace for the module's services (they build on each other to save pod starts)."""
+    from kubernetes import client
+
+    if not e2e._POOL:
+        pytest.fail("more e2e namespaces needed: grow _POOL in tests/e2e/conftest.py")
+    name = e2e._POOL.pop(0)
+    core = client.CoreV1Api(api)
+    core.create_namespace({"metadata": {"name": name, "labels": {"embedops.dev/e2e": "true"}}})
+    wait_for(lambda: _has_sa(core, name), what="default ServiceAccount")
+    yield name
+    core.delete_namespace(name)
+
+
+def _has_sa(core, ns):
+    try:
+        return core.read_namespaced_service_account("default", ns)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+@pytest.fixture(scope="module")
+def svc(api, ns, operator):
+    return EmbSvc(api, ns, operator)
+
+
+def on_real_node(doc: dict, real: RealPods, image: str | None = "default") -> dict:
+    return for_real_node(doc, real.server_image if image == "default" else image, real.node_selector)
+
+
+def example() -> dict:
+    return yaml.safe_load((REPO / "examples" / "cpu-ingestion.yaml").read_text())
+
+
+RERANKER_DOC = {
+    "apiVersion": "embedops.dev/v1alpha1", "kind": "EmbeddingService", "metadata": {"name": "tiny-reranker"},
+    "spec": {"model": {"id": f"/models/{RERANKER}", "task": "rerank", "maxInputLength": 256,
+                       "source": {"pvc": {"claimName": "embedops-models"}}},
+             "accelerator": {"cpu": {"cores": 1, "memory": "1Gi"}},
+             "batching": {"maxBatchTokens": 4096}, "replicas": 1},
+}
+
+
+def wait_ready(svc: EmbSvc, name: str, real: RealPods, replicas: int = 1, timeout: float = 300) -> list:
+    """Ready with observedGeneration current, and `replicas` pods of the current template Running and ready
+    on the real node; prints `kubectl get embsvc` as a user sees it."""
+    try:
+        svc.wait_condition(name, "Ready", timeout=timeout)
+    except AssertionError:
+        pods = svc.pods(name)
+        detail = "\n".join(f"{p.metadata.name} {p.spec.node_name} {p.status.phase} "
+                           f"{[(c.name, c.ready, c.restart_count, c.state) for c in p.status.container_statuses or []]}"
+                           f"\n{pod_log(svc.core, svc.ns, p.metadata.name)[-3000:]}" for p in pods)
+        pytest.fail(f"{name} never Ready: {svc.get(name).get('status')}\n{detail}\n{operator_log(svc.operator)}")
+
+    def pods_ready():
+        ps = [p for p in svc.pods(name) if p.metadata.deletion_timestamp is None]
+        good = [p for p in ps if p.status.phase == "Running"
+                and all(c.ready for c in p.status.container_statuses or [])]
+        return good if len(good) == replicas == len(ps) else None
+    pods = wait_for(pods_ready, timeout=timeout, what=f"{replicas} ready pods of {name}")
+    out = kubectl("get", "embsvc", name, "-n", svc.ns, "-o", "wide")
+    print(out)
+    return pods
+
+
+_KUBECONFIG: list[str] = []
+
+
+def kubectl(*args: str) -> str:
+    r = subprocess.run(["kubectl", f"--kubeconfig={_KUBECONFIG[0]}", *args], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kubeconfig(kube):
+    _KUBECONFIG[:] = [kube.kubeconfig]
+
+
+def cos(a, b):
+    return sum(x * y for x, y in zip(a, b)) / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
+
+
+def service_url(name: str, ns: str) -> str:
+    return f"http://{name}.{ns}.svc.cluster.local"
+
+
+# ------------------------------------------------------------------------------------------------ tests
+
+def test_example_runs_as_a_real_pod_of_the_local_image(kube, api, real, ns, svc):
+    doc = on_real_node(example(), real)
+    prerequisites(kube, ns, [doc], host_path=real.models_hostpath)
+    svc.create(doc)
+    name = doc["metadata"]["name"]
+    pods = wait_ready(svc, name, real)
+    pod = pods[0]
+    assert pod.spec.containers[0].image == real.server_image
+    cs = pod.status.container_statuses[0]
+    assert cs.ready and cs.started and cs.state.running, cs
+    # exactly the rendered security context, as the kernel sees it
+    sc = pod.spec.containers[0].security_context
+    assert sc.read_only_root_filesystem and sc.capabilities.drop == ["ALL"] and not sc.allow_privilege_escalation
+    assert pod.spec.security_context.run_as_user == 10001
+    ids = exec_in(kube, ns, pod.metadata.name, ["python3", "-c", (
+        "import os, errno\n"
+        "try:\n    open('/probe', 'w'); ro = False\nexcept OSError as e:\n    ro = e.errno == errno.EROFS\n"
+        "caps = [l.split()[1] for l in open('/proc/self/status') if l.startswith('CapEff')][0]\n"
+        "print(os.getuid(), os.getgid(), ro, caps, open('/proc/self/status').read().count('Seccomp:\\t2'))")])
+    uid, gid, ro, caps, seccomp = ids.split()
+    assert (uid, gid, ro, caps, seccomp) == ("10001", "10001", "True", "0000000000000000", "1"), ids
+    # the model volume is the read-only PVC
+    mounts = exec_in(kube, ns, pod.metadata.name, ["python3", "-c",
+                                                   "print([l for l in open('/proc/mounts') if ' /models ' in l])"])
+    assert " ro," in mounts or "'ro," in mounts or " ro " in mounts, mounts
+    # the startup and readiness probes were passed by the kubelet itself (no test calls reached the pod yet)
+    assert any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions)
+
+
+def test_in_cluster_client_gets_sentence_transformers_vectors(kube, real, ns, svc):
+    name = "minilm-ingest"
+    base = service_url(name, ns)
+    answers = run_client(svc.core, ns, "client-embed", real.server_image, base, [
+        ["/v1/embeddings", {"model": "all-MiniLM-L6-v2", "input": TEXTS}],
+        ["/embed", {"inputs": TEXTS}],
+        ["/metrics", None],
+    ], real.node_selector)
+    assert [a["status"] for a in answers] == [200, 200, 200], answers
+    openai = [d["embedding"] for d in sorted(answers[0]["body"]["data"], key=lambda d: d["index"])]
+    tei = answers[1]["body"]
+    from sentence_transformers import SentenceTransformer
+
+    ref = SentenceTransformer(str(Path(real.models_hostpath) / MINILM), device="cpu").encode(TEXTS)
+    worst = min(min(cos(a, r), cos(b, r)) for a, b, r in zip(openai, tei, ref.tolist()))
+    print(f"in-cluster /v1/embeddings and /embed vs sentence-transformers: min cosine {worst:.6f}")
+    assert worst >= 0.9999
+    # /metrics scraped from inside the cluster through the Service port the ServiceMonitor names
+    metrics = answers[2]["body"]
+    assert "te_request_count" in metrics and "te_embed_success" in metrics
+    from kubernetes import client
+
+    svc_obj = svc.core.read_namespaced_service(name, ns)
+    assert [p.name for p in svc_obj.spec.ports] == ["http"] and svc_obj.spec.ports[0].port == 80
+    sm = client.CustomObjectsApi(svc.co.api_client).get_namespaced_custom_object(
+        "monitoring.coreos.com", "v1", ns, "servicemonitors", name)
+    assert sm["spec"]["endpoints"][0]["port"] == "http" and sm["spec"]["endpoints"][0]["path"] == "/metrics"
+
+
+def test_reranker_from_a_real_pod(kube, real, ns, svc):
+    doc = on_real_node(RERANKER_DOC, real)
+    prerequisites(kube, ns, [doc], host_path=real.models_hostpath)
+    svc.create(doc)
+    wait_ready(svc, "tiny-reranker", real)
+    query = "Where is the Eiffel Tower?"
+    texts = ["Paris is the capital of France.", "Bananas are yellow.", "The Eiffel Tower is in Paris."]
+    answers = run_client(svc.core, ns, "client-rerank", real.server_image, service_url("tiny-reranker", ns),
+                         [["/rerank", {"query": query, "texts": texts, "raw_scores": True}]], real.node_selector)
+    assert answers[0]["status"] == 200, answers
+    got = {r["index"]: r["score"] for r in answers[0]["body"]}
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    folder = str(Path(real.models_hostpath) / RERANKER)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    with torch.inference_mode():
+        logits = model(**tok([query] * 3, texts, padding=True, return_tensors="pt")).logits[:, 0].tolist()
+    diff = max(abs(got[i] - logits[i]) for i in range(3))
+    print(f"in-cluster /rerank vs transformers: max |score diff| {diff:.2e}")
+    assert diff < 1e-4
+
+
+def start_load(svc: EmbSvc, real: RealPods, name: str, target: str, threads: int = 4):
+    pod = client_pod(name, real.server_image, LOAD_CLIENT, real.node_selector, {
+        "URL": service_url(target, svc.ns) + "/embed", "THREADS": threads, "MAX_SECONDS": 300,
+        "BODY": json.dumps({"inputs": ["steady load through the Service"]})})
+    svc.core.create_namespaced_pod(svc.ns, pod)
+    wait_for(lambda: "started" in pod_log(svc.core, svc.ns, name), timeout=120, what=f"{name} first success")
+
+
+def stop_load(kube, svc: EmbSvc, name: str) -> dict:
+    exec_in(kube, svc.ns, name, ["python3", "-c", "open('/tmp/stop', 'w').close()"])
+    wait_pod_phase(svc.core, svc.ns, name, ("Succeeded",), timeout=90)
+    line = [x for x in svc.core.read_namespaced_pod_log(name, svc.ns).splitlines() if x.startswith("{")][-1]
+    svc.core.delete_namespaced_pod(name, svc.ns, grace_period_seconds=0)
+    return json.loads(line)
+
+
+def rolled_out(svc: EmbSvc, name: str, replicas: int):
+    d = svc.deployment(name)
+    st = d.status
+    pods = [p for p in svc.pods(name)]
+    hashes = {p.metadata.labels.get("pod-template-hash") for p in pods}
+    done = (st.observed_generation == d.metadata.generation and st.updated_replicas == replicas
+            and st.ready_replicas == replicas and st.available_replicas == replicas
+            and (st.replicas or 0) == replicas and len(pods) == replicas and len(hashes) == 1)
+    return d if done else None
+
+
+def test_rollout_under_load_fails_no_request(kube, real, ns, svc):
+    name = "minilm-ingest"
+    before = {p.metadata.name for p in svc.pods(name)}
+    start_load(svc, real, "load-rollout", name)
+    time.sleep(3)
+    svc.co.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name, {
+        "spec": {"env": [{"name": "EMBEDOPS_E2E_ROLLOUT", "value": uuid.uuid4().hex[:8]}]}})
+    wait_for(lambda: rolled_out(svc, name, 1) and not before & {p.metadata.name for p in svc.pods(name)},
+             timeout=300, what="rollout to a new pod")
+    time.sleep(3)   # the new pod serves alone for a moment
+    summary = stop_load(kube, svc, "load-rollout")
+    print(f"rollout under load (4 client threads through the Service): {summary}")
+    assert summary["ok"] > 0 and summary["failed"] == 0, summary
+
+
+def test_pod_delete_and_container_kill_under_load(kube, real, ns, svc):
+    name = "minilm-ingest"
+    svc.co.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name, {"spec": {"replicas": 2}})
+    pods = wait_ready(svc, name, real, replicas=2)
+    # 1. kubectl delete pod: the other replica serves, the deleted one drains what it admitted
+    start_load(svc, real, "load-delete", name)
+    time.sleep(2)
+    victim = pods[0].metadata.name
+    kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
+    wait_for(lambda: rolled_out(svc, name, 2) and victim not in {p.metadata.name for p in svc.pods(name)},
+             timeout=240, what="replacement pod Ready")
+    time.sleep(2)
+    deleted = stop_load(kube, svc, "load-delete")
+    print(f"kubectl delete pod under load (2 replicas): {deleted}")
+    assert deleted["ok"] > 0 and deleted["failed"] == 0, deleted
+    if real.local_node is None:
+        return
+    # 2. the server process SIGKILLed on the node: the kubelet restarts the container; requests that were in
+    # flight in it (or routed to it before its endpoint went) fail, and the client says how many
+    target = [p for p in svc.pods(name) if p.metadata.deletion_timestamp is None][0]
+    cid = target.status.container_statuses[0].container_id.split("://")[-1]
+    start_load(svc, real, "load-kill", name)
+    time.sleep(2)
+    killed = kill_container(cid)
+    assert killed, f"no host process found for container {cid}"
+
+    def restarted():
+        p = svc.core.read_namespaced_pod(target.metadata.name, ns)
+        cs = p.status.container_statuses[0]
+        return p if cs.restart_count >= 1 and cs.ready else None
+    wait_for(restarted, timeout=240, what="killed container restarted and Ready")
+    time.sleep(2)
+    seen = stop_load(kube, svc, "load-kill")
+    print(f"server process SIGKILLed under load (2 replicas): {seen}")
+    assert seen["ok"] > 0
+    # what failed is bounded: in-flight work on the killed pod, and new connections refused until its
+    # endpoint is removed (the kubelet notices the exit within about a second)
+    assert seen["failed"] <= 200, seen
+
+
+def kill_container(container_id: str) -> list[int]:
+    """SIGKILL the processes of a container on this machine (found by their cgroup path)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if container_id in (proc / "cgroup").read_text():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def test_operator_as_a_pod_from_the_helm_chart(kube, api, real):
+    """helm install of the chart (its RBAC, ServiceAccount, in-cluster config) reconciles the example."""
+    from kubernetes import client
+
+    if not kube.helm:
+        pytest.skip("helm not built (make cluster-binaries)")
+    if not real.operator_image:
+        pytest.skip("no operator image ref (EMBEDOPS_OPERATOR_IMAGE)")
+    core = client.CoreV1Api(api)
+    ns = f"e2e-helm-{uuid.uuid4().hex[:6]}"   # not watched by the suite's local operator: no second writer
+    core.create_namespace({"metadata": {"name": ns}})
+    wait_for(lambda: _has_sa(core, ns), what="default ServiceAccount")
+    repo, tag = real.operator_image.rsplit(":", 1)
+    release = "embedops"
+    values = {"image": {"repository": repo, "tag": tag, "pullPolicy": "IfNotPresent"},
+              "watchNamespaces": [ns], "resyncSeconds": 10, "stallAfterSeconds": 60,
+              "serverImages": {"cpu": real.server_image, "cuda": real.server_image},
+              "nodeSelector": real.node_selector, "tolerations": REAL_NODE_TOLERATIONS, "logFormat": "text"}
+    vfile = Path(kube.kubeconfig).with_name(f"values-{ns}.yaml")
+    vfile.write_text(yaml.safe_dump(values))
+    env = {**os.environ, "KUBECONFIG": kube.kubeconfig, "HELM_CACHE_HOME": str(vfile.parent / "helm-cache"),
+           "HELM_CONFIG_HOME": str(vfile.parent / "helm-config"), "HELM_DATA_HOME": str(vfile.parent / "helm-data")}
+    svc = EmbSvc(api, ns)
+    try:
+        r = subprocess.run([kube.helm, "install", release, str(REPO / "charts" / "embedops-operator"), "-n", ns,
+                            "-f", str(vfile), "--wait", "--timeout", "180s"], env=env, capture_output=True,
+                           text=True, timeout=240)
+        op_pods = core.list_namespaced_pod(ns, label_selector="app.kubernetes.io/name=embedops-operator").items
+        assert r.returncode == 0, (r.stdout + r.stderr + "\n" + "\n".join(
+            f"{p.metadata.name}: {p.status}\n{pod_log(core, ns, p.metadata.name)}" for p in op_pods))
+        assert op_pods and op_pods[0].status.phase == "Running" and op_pods[0].spec.node_name, op_pods
+        doc = on_real_node(example(), real, image=None)   # the chart's serverImages.cpu, not spec.image
+        prerequisites(kube, ns, [doc], host_path=real.models_hostpath)
+        svc.create(doc)
+        name = doc["metadata"]["name"]
+        try:
+            pods = wait_ready(svc, name, real)
+        except BaseException:
+            print(pod_log(core, ns, op_pods[0].metadata.name)[-6000:])
+            raise
+        assert pods[0].spec.containers[0].image == real.server_image
+        managers = {m.manager for m in svc.deployment(name).metadata.managed_fields or []}
+        assert "embedops" in managers, managers
+        log = core.read_namespaced_pod_log(op_pods[0].metadata.name, ns)
+        assert "Traceback" not in log, log[-4000:]
+    finally:
+        subprocess.run([kube.helm, "uninstall", release, "-n", ns, "--wait", "--timeout", "60s"], env=env,
+                       capture_output=True, timeout=120)
+        core.delete_namespace(ns)
