@@ -30,6 +30,7 @@ says why.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -76,6 +77,33 @@ class Kube:
             from tests.cluster.images import import_into_containerd
 
             import_into_containerd(str(node.SOCK), built)
+
+    @contextlib.contextmanager
+    def namespace(self, prefix: str = "t", labels: dict | None = None, name: str | None = None):
+        """A new namespace (``name``, or ``<prefix>-<random>``), yielded once its default ServiceAccount exists
+        (pods need it), deleted afterwards."""
+        import uuid
+
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
+
+        from tests.waiting import wait_for
+
+        name = name or f"{prefix}-{uuid.uuid4().hex[:8]}"
+        with self.api_client() as api:
+            core = client.CoreV1Api(api)
+            core.create_namespace({"metadata": {"name": name, "labels": labels or {}}})
+
+            def has_sa():
+                try:
+                    return core.read_namespaced_service_account("default", name)
+                except ApiException:
+                    return None
+            wait_for(has_sa, timeout=60, what=f"default ServiceAccount in {name}")
+            try:
+                yield name
+            finally:
+                core.delete_namespace(name)
 
     def api_client(self):
         from kubernetes import config
@@ -227,25 +255,7 @@ def kube():
         pytest.skip(str(e))
     from tests.cluster import node
 
-    run_dir = harness.default_run_dir() / "pytest"
-    reason = None
-    if os.environ.get("EMBEDOPS_REAL_NODE", "1") == "0":
-        reason = "EMBEDOPS_REAL_NODE=0"
-    else:
-        reason = node.preflight()
-        if not reason:
-            try:
-                node.NodeBinaries.from_cache()
-            except node.RealNodeError as e:
-                reason = str(e)
-    cluster = harness.Cluster(run_dir=run_dir, real_node=reason is None)
-    try:
-        kubeconfig = cluster.up()
-    except node.RealNodeError as e:
-        reason = str(e)
-        print(f"\nkube fixture: running without the real node: {reason}")
-        cluster = harness.Cluster(run_dir=run_dir, real_node=False)
-        kubeconfig = cluster.up()
+    cluster, kubeconfig, reason = harness.start_cluster(harness.default_run_dir() / "pytest")
     try:
         yield Kube(str(kubeconfig), local=True, helm=helm,
                    real_node=node.NODE_NAME if reason is None else None, real_node_reason=reason)

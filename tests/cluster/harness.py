@@ -568,6 +568,32 @@ class Cluster:
                 pass
 
 
+def start_cluster(run_dir: Path, timeout: float = 180) -> tuple["Cluster", Path, str | None]:
+    """Start (or reuse) the control plane in ``run_dir`` with the real node when this machine allows one,
+    else without it: (cluster, kubeconfig, why there is no real node or None). ``EMBEDOPS_REAL_NODE=0`` asks
+    for none. Used by the tests' ``kube`` fixture and the demo."""
+    from tests.cluster import node
+
+    if os.environ.get("EMBEDOPS_REAL_NODE", "1") == "0":
+        reason: str | None = "EMBEDOPS_REAL_NODE=0"
+    else:
+        reason = node.preflight()
+        if not reason:
+            try:
+                node.NodeBinaries.from_cache()
+            except node.RealNodeError as e:
+                reason = str(e)
+    cluster = Cluster(run_dir=run_dir, real_node=reason is None)
+    try:
+        kubeconfig = cluster.up(timeout=timeout)
+    except node.RealNodeError as e:
+        reason = str(e)
+        print(f"running without the real node: {reason}", file=sys.stderr)
+        cluster = Cluster(run_dir=run_dir, real_node=False)
+        kubeconfig = cluster.up(timeout=timeout)
+    return cluster, kubeconfig, reason
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cmd = argv[0] if argv else "up"

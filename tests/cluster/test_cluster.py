@@ -5,7 +5,6 @@ checks (simulated nodes, their names) are skipped on other clusters.
 """
 from __future__ import annotations
 
-import uuid
 
 import pytest
 from tests.waiting import wait_for
@@ -22,24 +21,9 @@ def core(kube):
 
 
 @pytest.fixture
-def namespace(kube, core):
-    from kubernetes import client
-
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-    wait_for(lambda: _has_default_sa(core, name), what="default ServiceAccount")
-    yield name
-    core.delete_namespace(name)
-
-
-def _has_default_sa(core, ns):
-    from kubernetes.client.rest import ApiException
-
-    try:
-        core.read_namespaced_service_account("default", ns)
-        return True
-    except ApiException:
-        return False
+def namespace(kube):
+    with kube.namespace("t") as name:
+        yield name
 
 
 def _pod(name, *, mig=0, tolerate_gpu=False, node_selector=None):

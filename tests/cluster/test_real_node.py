@@ -12,7 +12,6 @@ import json
 import os
 import socket
 import subprocess
-import uuid
 from pathlib import Path
 
 import pytest
@@ -46,24 +45,9 @@ def core(kube):
 
 
 @pytest.fixture
-def ns(kube, core, real):
-    from kubernetes import client
-
-    name = f"rn-{uuid.uuid4().hex[:8]}"
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-    wait_for(lambda: _has_default_sa(core, name), what="default ServiceAccount")
-    yield name
-    core.delete_namespace(name)
-
-
-def _has_default_sa(core, ns):
-    from kubernetes.client.rest import ApiException
-
-    try:
-        core.read_namespaced_service_account("default", ns)
-        return True
-    except ApiException:
-        return False
+def ns(kube, real):
+    with kube.namespace("rn") as name:
+        yield name
 
 
 def _pod(real, name, command, *, labels=None, memory="64Mi", restart="Never"):

@@ -74,25 +74,13 @@ def real(kube) -> RealPods:
 
 
 @pytest.fixture(scope="module")
-def ns(kube, api, operator):
-    """One watched namespace for the module's services (they build on each other to save pod starts)."""
-    from kubernetes import client
-
+def ns(kube, operator):
+    """A watched namespace for the module's services (they build on each other to save pod starts); the
+    suite's local operator watches the ``e2e-<session>`` pool by name."""
     if not e2e._POOL:
         pytest.fail("more e2e namespaces needed: grow _POOL in tests/e2e/conftest.py")
-    name = e2e._POOL.pop(0)
-    core = client.CoreV1Api(api)
-    core.create_namespace({"metadata": {"name": name, "labels": {"embedops.dev/e2e": "true"}}})
-    wait_for(lambda: _has_sa(core, name), what="default ServiceAccount")
-    yield name
-    core.delete_namespace(name)
-
-
-def _has_sa(core, ns):
-    try:
-        return core.read_namespaced_service_account("default", ns)
-    except Exception:  # noqa: BLE001
-        return None
+    with kube.namespace(name=e2e._POOL.pop(0), labels={"embedops.dev/e2e": "true"}) as name:
+        yield name
 
 
 @pytest.fixture(scope="module")
@@ -357,9 +345,12 @@ def test_operator_as_a_pod_from_the_helm_chart(kube, api, real):
     if not real.operator_image:
         pytest.skip("no operator image ref (EMBEDOPS_OPERATOR_IMAGE)")
     core = client.CoreV1Api(api)
-    ns = f"e2e-helm-{uuid.uuid4().hex[:6]}"   # not watched by the suite's local operator: no second writer
-    core.create_namespace({"metadata": {"name": ns}})
-    wait_for(lambda: _has_sa(core, ns), what="default ServiceAccount")
+    # a namespace the suite's local operator does not watch: no second writer
+    with kube.namespace("e2e-helm") as ns:
+        _helm_operator_reconciles(kube, api, core, real, ns)
+
+
+def _helm_operator_reconciles(kube, api, core, real, ns):
     repo, tag = real.operator_image.rsplit(":", 1)
     release = "embedops"
     values = {"image": {"repository": repo, "tag": tag, "pullPolicy": "IfNotPresent"},
@@ -396,4 +387,3 @@ def test_operator_as_a_pod_from_the_helm_chart(kube, api, real):
     finally:
         subprocess.run([kube.helm, "uninstall", release, "-n", ns, "--wait", "--timeout", "60s"], env=env,
                        capture_output=True, timeout=120)
-        core.delete_namespace(ns)
