@@ -139,20 +139,15 @@ def models(tmp_path_factory):
 
 
 def _wait_healthy(name: str, url: str, timeout: float = 300) -> None:
-    import httpx
+    from tests.server.conftest import wait_healthy
 
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+    def dead():
         state = _podman("inspect", "--format", "{{.State.Status}}", name).stdout.strip()
-        if state != "running":
-            raise AssertionError(f"container {state}:\n{_podman('logs', name).stderr[-4000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"not healthy after {timeout}s:\n{_podman('logs', name).stderr[-4000:]}")
+        return None if state == "running" else f"container {state}:\n{_podman('logs', name).stderr[-4000:]}"
+    try:
+        wait_healthy(url, timeout, dead=dead)
+    except TimeoutError:
+        raise AssertionError(f"not healthy after {timeout}s:\n{_podman('logs', name).stderr[-4000:]}") from None
 
 
 def test_cpu_image_has_no_cuda_and_no_torch(built):

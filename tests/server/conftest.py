@@ -42,11 +42,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, timeout: float = 180.0, state=None) -> None:
+def wait_healthy(url: str, timeout: float = 180.0, state=None, dead=None) -> None:
+    """Until GET /health answers 200. ``state``: an in-process app's state (its load error ends the wait);
+    ``dead()``: for a server in another process or container, a message once it has exited, else None."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if state is not None and state.load_error:
             raise RuntimeError(state.load_error)
+        if dead is not None and (why := dead()):
+            raise RuntimeError(why)
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return

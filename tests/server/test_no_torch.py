@@ -5,13 +5,12 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 from tests.models import minilm_dir, minilm_onnx_dir
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, wait_healthy
 
 ROOT = Path(__file__).parents[2]
 # sys.modules["torch"] = None makes `import torch` raise ImportError and importlib.util.find_spec("torch") return
@@ -50,15 +49,7 @@ def test_onnx_folder_serves_without_torch():
     url = f"http://127.0.0.1:{port}"
     p = _server(minilm_onnx_dir(), port, "--pooling", "mean")
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and p.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        assert p.poll() is None, p.stdout.read()
+        wait_healthy(url, 120, dead=lambda: None if p.poll() is None else f"exited {p.returncode}: {p.stdout.read()}")
         r = httpx.post(url + "/embed", json={"inputs": ["hello world"]}, timeout=30)
         assert r.status_code == 200 and len(r.json()[0]) == 384
         assert httpx.get(url + "/info").json()["model_type"]  # /info answers without torch too
