@@ -9,7 +9,7 @@ No container registry can be reached here, so everything is made from package re
 * a wheelhouse ``$EMBEDOPS_CACHE/images/wheels-<hash>`` (``~/.cache/embedops`` by default): every wheel of
   the ``server`` and ``operator`` extras of pyproject.toml plus the build backend, made with ``pip wheel`` on
   the host (pip inside a build container cannot reach PyPI); reused while pyproject.toml is unchanged;
-* the images, built with ``podman build --network=none`` from a small context (pyproject.toml, README.md,
+* the images, built with ``podman build --network=none`` from a small context (pyproject.toml, a stand-in README.md,
   server/, operator/, the wheels) with ``WHEELS=wheels`` (pip installs offline) and ``TORCH_SPEC=`` (no torch:
   PyPI's torch is the CUDA build and PyTorch's CPU index cannot be reached; the CPU image is ONNX Runtime
   only and serves model folders that ship an ONNX file):
@@ -72,7 +72,10 @@ IMAGES: dict[str, tuple[str, str, str, dict[str, str]]] = {
     "server-cuda": ("server/Dockerfile.cuda", "localhost/embedops-server", "-cuda", {}),
 }
 CONTEXT_DIRS = ("server", "operator")
-CONTEXT_FILES = ("pyproject.toml", "README.md")
+CONTEXT_FILES = ("pyproject.toml",)
+# pyproject.toml names README.md as the package's long description; the image only needs the file to exist,
+# and a README edit must not rebuild the images (2 min each), so the context gets this stand-in.
+README_STANDIN = "# embedops\n\nBuilt locally by tests/cluster/images.py; see the repository's README.md.\n"
 
 
 @dataclass(frozen=True)
@@ -283,7 +286,7 @@ def _context_files() -> list[tuple[str, Path]]:
 
 def _tag(name: str, wheels: Path, base_id: str, build_args: dict[str, str]) -> str:
     dockerfile = IMAGES[name][0]
-    h = hashlib.sha256(f"{name}\0{dockerfile}\0{sorted(build_args.items())}\0{base_id}\0".encode())
+    h = hashlib.sha256(f"{name}\0{dockerfile}\0{sorted(build_args.items())}\0{base_id}\0{README_STANDIN}".encode())
     for rel, path in _context_files():
         h.update(f"{rel}\0".encode() + hashlib.sha256(path.read_bytes()).digest())
     for w in sorted(wheels.glob("*.whl")):
@@ -296,6 +299,7 @@ def _make_context(ctx: Path, wheels: Path) -> None:
         dest = ctx / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, dest)
+    (ctx / "README.md").write_text(README_STANDIN)
     (ctx / "wheels").mkdir()
     for w in wheels.glob("*.whl"):
         try:
