@@ -1,12 +1,16 @@
 """The one-command demo (`make demo` -> scripts/demo.sh up): local cluster, operator, a CPU
 EmbeddingService serving all-MiniLM-L6-v2, and the curl that embeds through it.
 
-  up    start the local control plane (tests/cluster/harness.py, run dir tests/cluster/.run/demo),
-        install the EmbeddingService CRD and the upstream ServiceMonitor/HTTPRoute/ScaledObject CRDs,
-        run `embedops-operator run` in the background, apply examples/cpu-ingestion.yaml (with the model
-        PVC it mounts), wait for Ready, then run the reconciled Deployment's server container command as
-        a local process (kwok pods run no containers) on 127.0.0.1:$EMBEDOPS_DEMO_PORT (default 8080)
-  down  stop the server, the operator and the control plane (by PID)
+  up    start the local control plane (tests/cluster/harness.py, run dir tests/cluster/.run/demo) with its
+        real node cpu-real-0 (kubelet, containerd, kube-proxy, CoreDNS) when this machine allows one,
+        install the EmbeddingService CRD and the upstream ServiceMonitor/HTTPRoute/ScaledObject CRDs, run
+        `embedops-operator run` in the background and apply examples/cpu-ingestion.yaml (with the model PVC
+        it mounts). With the real node: the CPU server image is built (tests/cluster/images.py, cached), the
+        service is placed on cpu-real-0, and the printed curl goes to its Service's ClusterIP, i.e. through
+        kube-proxy to a real container. Without one (the reason is printed in one line): the reconciled
+        Deployment's server container command runs as a local process (kwok pods run no containers) on
+        127.0.0.1:$EMBEDOPS_DEMO_PORT (default 8080)
+  down  stop the server, the operator and the control plane with its real node (by PID and record)
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.cluster.harness import REPO, Cluster, default_run_dir
+from tests.cluster.harness import REPO, Cluster, default_run_dir, start_cluster
+from tests.cluster.node import NODE_NAME
 
 RUN = default_run_dir() / "demo"
 STATE = RUN / "demo.json"
@@ -87,10 +92,11 @@ def up() -> int:
     t0 = time.monotonic()
     if _state().get("server"):
         down(quiet=True)
-    cluster = Cluster(run_dir=RUN / "cluster")
-    kubeconfig = str(cluster.up())
-    print(f"demo: control plane up ({time.monotonic() - t0:.0f}s), KUBECONFIG={kubeconfig}")
-    kube = Kube(kubeconfig, local=True)
+    cluster, kubeconfig, no_node = start_cluster(RUN / "cluster")
+    kubeconfig = str(kubeconfig)
+    where = "with the real node cpu-real-0" if not no_node else f"without a real node ({no_node})"
+    print(f"demo: control plane up {where} ({time.monotonic() - t0:.0f}s), KUBECONFIG={kubeconfig}")
+    kube = Kube(kubeconfig, local=True, real_node=None if no_node else NODE_NAME, real_node_reason=no_node)
     kube.apply(REPO / "crds" / "embedops.dev_embeddingservices.yaml")
     kube.install_crds(["servicemonitor", "httproute", "scaledobject"])
     st: dict = {"kubeconfig": kubeconfig}
@@ -114,6 +120,8 @@ def up() -> int:
                 raise
         _wait("default ServiceAccount", lambda: _sa(core), 60)
         doc = yaml.safe_load(EXAMPLE.read_text())
+        if kube.real_node:
+            doc = _on_real_node(kube, doc)
         from tests.e2e.test_examples import prerequisites
         prerequisites(kube, NAMESPACE, [doc])
         kube.apply([doc], namespace=NAMESPACE)
@@ -129,8 +137,11 @@ def up() -> int:
         deps = [d for d in apps.list_namespaced_deployment(NAMESPACE).items
                 if any(r.kind == "EmbeddingService" and r.name == name for r in d.metadata.owner_references or [])]
         dep = api.sanitize_for_serialization(deps[0])
-        print(f"demo: {name} Ready; its pod runs on kwok node "
-              f"{core.list_namespaced_pod(NAMESPACE).items[0].spec.node_name}")
+        pod = core.list_namespaced_pod(NAMESPACE).items[0]
+        if kube.real_node:
+            ip = core.read_namespaced_service(name, NAMESPACE).spec.cluster_ip
+            return _print_real(name, doc, pod, ip, kubeconfig, t0)
+        print(f"demo: {name} Ready; its pod runs on kwok node {pod.spec.node_name}")
 
         models = RUN / "models"
         models.mkdir(parents=True, exist_ok=True)
@@ -155,6 +166,42 @@ def up() -> int:
     print(f"  curl -s http://127.0.0.1:{port}/v1/embeddings -H 'Content-Type: application/json' \\\n"
           f"    -d '{{\"model\": \"{served}\", \"input\": [\"hello world\"]}}'\n")
     print(f"  export KUBECONFIG={kubeconfig}; kubectl get embsvc -n {NAMESPACE}")
+    print("  stop everything: make demo-down")
+    return 0
+
+
+def _on_real_node(kube, doc: dict) -> dict:
+    """Build (cached) and import the CPU server image, stage the model folder the PVC serves, and place the
+    example on the real node, sized for this machine."""
+    from tests.cluster import images
+    from tests.e2e.real_pods import DEFAULT_MODELS_HOSTPATH, for_real_node, prepare_models
+
+    t = time.monotonic()
+    built = images.build(("server",))
+    kube.import_images(built)
+    prepare_models(Path(DEFAULT_MODELS_HOSTPATH))
+    print(f"demo: server image {built['server'].ref} built and imported, model staged "
+          f"({time.monotonic() - t:.0f}s)")
+    return for_real_node(doc, built["server"].ref, {"kubernetes.io/hostname": kube.real_node})
+
+
+def _print_real(name: str, doc: dict, pod, ip: str, kubeconfig: str, t0: float) -> int:
+    import json
+    import urllib.request
+
+    served = doc["spec"]["model"].get("servedModelName") or name
+    url = f"http://{ip}/v1/embeddings"
+    body = json.dumps({"model": served, "input": ["hello world"]}).encode()
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:   # prove it before printing it
+        dim = len(json.loads(r.read())["data"][0]["embedding"])
+    print(f"demo: {name} Ready; pod {pod.metadata.name} runs in a real container on {pod.spec.node_name} "
+          f"(pod IP {pod.status.pod_ip}); Service ClusterIP {ip} answered with a {dim}-dimensional vector")
+    print(f"\ndemo: ready in {time.monotonic() - t0:.0f}s. Embed through the Service (kube-proxy -> the pod):\n")
+    print(f"  curl -s {url} -H 'Content-Type: application/json' \\\n"
+          f"    -d '{{\"model\": \"{served}\", \"input\": [\"hello world\"]}}'\n")
+    print(f"  export KUBECONFIG={kubeconfig}; kubectl get embsvc,pods -n {NAMESPACE} -o wide")
+    print(f"  kubectl logs -n {NAMESPACE} {pod.metadata.name}")
     print("  stop everything: make demo-down")
     return 0
 
@@ -186,7 +233,7 @@ def down(quiet: bool = False) -> int:
         p = st.get(key)
         if p:
             _stop(key, p["pid"], p["argv0"])
-    Cluster(run_dir=RUN / "cluster").down(quiet=quiet)
+    Cluster(run_dir=RUN / "cluster", real_node=None).down(quiet=quiet)
     if STATE.exists():
         STATE.unlink()
     return 0
