@@ -21,7 +21,8 @@ from .models import minilm_cross_encoder, minilm_dir
 from .textgen import TextGen, load_tokenizer
 from . import workloads as W
 
-ALL_TARGETS = ["embedops-onnx", "embedops-onnx+quantize=int8", "embedops-torch", "infinity", "naive"]
+ALL_TARGETS = ["embedops-onnx", "embedops-onnx+quantize=int8", "embedops-torch", "infinity", "naive",
+               "tei", "tei+int8", "tei-candle"]  # TEI: skipped in one line when not built (bench/tei.py)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -80,6 +81,7 @@ class Runner:
     # ------------------------------------------------------------------ servers
     def start_targets(self, names: list[str], rerank: bool) -> None:
         from .targets import embedops_target, infinity_target, naive_target
+        from .tei import is_tei, tei_target
 
         pending = []
         for name in names:
@@ -95,6 +97,9 @@ class Runner:
                         bname = self.args.onnx_backend_name if backend == "onnx" else backend
                         t = embedops_target(self.model_dir, bname, log_dir=self.logs, name=name,
                                             extra_args=self.args.embedops_args)
+                elif is_tei(name):
+                    t = tei_target(name, self.model_dir, rerank_model=self.rerank_dir if rerank else None,
+                                   log_dir=self.logs)
                 elif name == "infinity":
                     if name in self.targets:
                         continue
@@ -129,7 +134,7 @@ class Runner:
                     self.errors[name + ("/rerank" if rerank else "")] = err[:4000]
                     continue
                 log(f"{t.name} up in {t.server.startup_s:.1f}s, RSS {t.server.rss_mb():.0f} MB")
-                self.targets[t.name + ("/rerank" if rerank and name.startswith("embedops") else "")] = t
+                self.targets[t.name + ("/rerank" if rerank and (name.startswith("embedops") or is_tei(name)) else "")] = t
                 self.meta.setdefault("startup_s", {})[t.name] = round(t.server.startup_s, 2)
 
     def stop_target(self, key: str) -> None:
@@ -172,7 +177,7 @@ class Runner:
 
     def http(self, scenario: str, key: str, t, reqs: list[Request], concurrency: int, *,
              url: str, check, duration_s: float, max_requests: int, warmup: int | None = None):
-        before = report.batch_counters(t.server.get("/metrics")) if key.startswith("embedops") else None
+        before = report.batch_counters(t.server.get("/metrics")) if key.startswith(("embedops", "tei")) else None
         samples, wall = run_load_sync(url, reqs, concurrency=concurrency, max_requests=max_requests,
                                       duration_s=duration_s, check=check,
                                       warmup=concurrency if warmup is None else warmup,
@@ -318,7 +323,15 @@ class Runner:
         except Exception as e:
             self.errors["4-rerank ceiling"] = f"{type(e).__name__}: {e}"
             log("rerank ceiling failed:", e)
-        self.start_targets([n for n in self.args.targets if n.startswith("embedops-")], rerank=True)
+        from .tei import is_tei, na_reason
+
+        tei = [n for n in self.args.targets if is_tei(n) and n in self.targets]
+        self.start_targets([n for n in self.args.targets if n.startswith("embedops-")]
+                           + [n for n in tei if "int8" not in n], rerank=True)
+        int8_up = any("int8" in k for k in self.targets if k.endswith("/rerank"))
+        self.start_targets([n for n in tei if "int8" in n and int8_up], rerank=True)  # like for like only
+        for n in [n for n in tei if "int8" in n and not int8_up]:
+            self.rows.append({"scenario": "4-rerank", "target": n, "kind": "http", "na": na_reason(n, "4-rerank")})
         for key, t in self.http_targets(rerank=True):
             reqs = [Request(t.rerank_body(w.rerank_query, ps), len(ps), n) for ps, n in zip(w.rerank_passages, real)]
             self.http("4-rerank", key, t, reqs, 1, url=t.rerank_url, check=t.rerank_check,
@@ -328,7 +341,7 @@ class Runner:
         for key in self.args.targets:
             if key not in ("infinity", "naive") and not any(
                     r["target"].split("/")[0] == key and r["scenario"] == "4-rerank" for r in self.rows):
-                if key.startswith("embedops-torch"):
+                if key.startswith("embedops-torch") or key in tei:
                     self.rows.append({"scenario": "4-rerank", "target": key, "kind": "http", "na":
                                       "rerank server failed to start or answer"})
 
@@ -409,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pyspy", action="store_true",
                     help="profile the embedops server with py-spy during scenario 1 and 2 (writes top frames)")
     ap.add_argument("--gpu", action="store_true", help="the CUDA profile (see bench/gpu.py)")
+    ap.add_argument("--build-tei", action="store_true",
+                    help="build TEI with the kit first when it is not built (cached; see bench/tei.py)")
     args = ap.parse_args(argv)
     args.targets = [t for t in args.targets.split(",") if t]
     if args.rounds is None:
@@ -417,6 +432,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    if args.build_tei:
+        from .tei import build, unavailable_reason
+
+        if unavailable_reason():
+            build(log=log)
 
     if args.gpu:
         from .gpu import run_gpu

@@ -125,6 +125,9 @@ def table(res: dict) -> str:
             f"{_f(r.get('vs_ceiling'), '{:.2f}'):>9} {_f(r.get('vs_infinity'), '{:.2f}'):>10} "
             f"{_f(r.get('vs_naive-encode'), '{:.2f}'):>8} {_f(r.get('vs_inline-encode'), '{:.2f}'):>8} "
             f"{_f(r.get('p99_vs_infinity'), '{:.2f}'):>8} {_f(r.get('over_ceiling_ms'), '{:+.1f}'):>11}")
+    from .tei import ratio_lines as tei_ratio_lines
+
+    lines += tei_ratio_lines(res)
     if res.get("rss"):
         lines += ["", "peak RSS (MB): " + ", ".join(f"{k} {v['peak_rss_mb']:.0f}" + (
             f" (GPU {v['gpu_mem_mb']:.0f} MB)" if v.get("gpu_mem_mb") else "") for k, v in res["rss"].items())]
