@@ -34,7 +34,7 @@ def _setup_logging(fmt: str, verbose: bool) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import asyncio
+    import functools
 
     import kopf
 
@@ -46,18 +46,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.stall_after_seconds:
         os.environ["EMBEDOPS_STALL_AFTER_SECONDS"] = str(args.stall_after_seconds)
     from . import handlers  # noqa: F401 - registers the handlers
+    from . import leader
 
-    asyncio.run(kopf.operator(
-        standalone=True,
-        clusterwide=not namespaces,
-        namespaces=namespaces,
-        liveness_endpoint=args.liveness or None,
-    ))
-    return 0
+    # kopf's own peering stays off (standalone); with --leader-elect, leader.py runs kopf only while this
+    # process holds the Lease and exits 1 when it loses it
+    return leader.run(functools.partial(kopf.operator, standalone=True, clusterwide=not namespaces,
+                                        namespaces=namespaces), args)
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    text = sys.stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()
+    source = "<stdin>" if args.file == "-" else args.file
+    try:
+        text = sys.stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()
+        docs = yamlio.load_all(text, source)
+    except (OSError, UnicodeDecodeError, yamlio.ManifestError) as e:
+        msg = str(e) if isinstance(e, yamlio.ManifestError) else f"{source}: cannot read: {e}"
+        print(f"embedops-operator render: {' '.join(msg.split())}", file=sys.stderr)
+        return 2
     capabilities = frozenset(R.OPTIONAL_KINDS)
     if args.without:
         skip = {k.lower() for k in args.without}
@@ -67,10 +72,14 @@ def cmd_render(args: argparse.Namespace) -> int:
 
     out: list[dict] = []
     failed = False
-    for doc in yamlio.load_all(text):
+    for doc in docs:
         if doc.get("kind") != S.KIND:
             continue
-        doc.setdefault("metadata", {}).setdefault("namespace", args.namespace)
+        if not isinstance(doc.setdefault("metadata", {}), dict):
+            print(f"{S.KIND}: metadata must be a mapping", file=sys.stderr)
+            failed = True
+            continue
+        doc["metadata"].setdefault("namespace", args.namespace)
         errors = validate(doc)
         if errors:
             failed = True
@@ -102,6 +111,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--stall-after-seconds", type=float, default=None)
     run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                      help="liveness endpoint URL ('' to disable)")
+    from .leader import add_arguments as leader_arguments
+    leader_arguments(run)
     run.set_defaults(func=cmd_run)
     ren = sub.add_parser("render", help="print the manifests the operator would apply (no cluster needed)")
     ren.add_argument("-f", "--file", required=True, help="EmbeddingService manifest(s); '-' for stdin")

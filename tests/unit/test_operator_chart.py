@@ -49,7 +49,7 @@ def test_helm_template_cluster_wide():
     docs = template()
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "Deployment",
-                     "ServiceAccount"]
+                     "PodDisruptionBudget", "Role", "RoleBinding", "ServiceAccount"]
     dep = next(d for d in docs if d["kind"] == "Deployment")
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert c["image"] == "ghcr.io/embedops/embedops-operator:0.1.0"
@@ -57,14 +57,64 @@ def test_helm_template_cluster_wide():
     assert not any(a.startswith("--namespace") for a in c["args"])
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
-    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    # HA: two replicas, one reconciling through the Lease, handed over on rollouts, kept by a PDB
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate",
+                                       "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert "--leader-elect" in c["args"] and "--leader-election-id=rel-embedops-operator" in c["args"]
+    flags = dict(a.split("=", 1) for a in c["args"] if a.startswith("--leader-election-") and "=" in a)
+    lease, renew, retry = (float(flags[f"--leader-election-{k}"]) for k in
+                           ("lease-duration", "renew-deadline", "retry-period"))
+    assert lease > renew > retry > 0 and lease + 2 * retry < 15  # takeover within 15 s of the leader's death
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in c["env"]}
+    assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
+    pdb = next(d for d in docs if d["kind"] == "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    anti = dep["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]["topologyKey"] == \
+        "kubernetes.io/hostname"
+
+
+@needs_helm
+def test_helm_template_leader_election_rbac_is_the_release_namespaces_lease_only():
+    docs = template()
+    role = next(d for d in docs if d["kind"] == "Role")
+    assert role["metadata"]["namespace"] == "embedops-system"
+    rules = {(tuple(r["resources"]), tuple(r.get("resourceNames", []))): set(r["verbs"]) for r in role["rules"]}
+    assert rules == {(("leases",), ()): {"create"},
+                     (("leases",), ("rel-embedops-operator",)): {"get", "update"}}
+    assert all(r["apiGroups"] == ["coordination.k8s.io"] for r in role["rules"])
+    binding = next(d for d in docs if d["kind"] == "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == "rel-embedops-operator"
+
+
+@needs_helm
+def test_helm_template_single_replica_without_leader_election():
+    docs = template("replicaCount=1", "leaderElection.enabled=false")
+    kinds = sorted(d["kind"] for d in docs)
+    assert "PodDisruptionBudget" not in kinds and "Role" not in kinds
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert not any(a.startswith("--leader-elect") for a in c["args"])
+    assert "affinity" not in dep["spec"]["template"]["spec"]
+
+
+@needs_helm
+def test_helm_template_refuses_replicas_without_leader_election():
+    args = [helm_binary(), "template", "rel", str(CHART), "--set", "replicaCount=2",
+            "--set", "leaderElection.enabled=false"]
+    out = subprocess.run(args, capture_output=True, text=True)
+    assert out.returncode != 0 and "needs leaderElection.enabled" in out.stderr
 
 
 @needs_helm
 def test_helm_template_namespaced_values():
     docs = template("watchNamespaces={search,ingest}", "logFormat=json", "image.tag=dev", "verbose=true",
                     "resources.limits.memory=512Mi")
-    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    bindings = [d for d in docs if d["kind"] == "RoleBinding" and d["roleRef"]["kind"] == "ClusterRole"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ingest", "search"]
     assert not [d for d in docs if d["kind"] == "ClusterRoleBinding"]
     c = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
