@@ -62,7 +62,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     except (OSError, UnicodeDecodeError, yamlio.ManifestError) as e:
         msg = str(e) if isinstance(e, yamlio.ManifestError) else f"{source}: cannot read: {e}"
         print(f"embedops-operator render: {' '.join(msg.split())}", file=sys.stderr)
-        return 2
+        return 1
     capabilities = frozenset(R.OPTIONAL_KINDS)
     if args.without:
         skip = {k.lower() for k in args.without}

@@ -1,4 +1,4 @@
-"""Deterministic YAML output (no anchors, stable key order as built)."""
+"""Deterministic YAML output (no anchors, stable key order as built); manifests read with one-line errors."""
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -28,5 +28,40 @@ def dump_all(objs: Iterable[Any]) -> str:
     return "".join("---\n" + dump(o) for o in objs)
 
 
-def load_all(text: str) -> list[dict]:
-    return [d for d in yaml.safe_load_all(text) if d]
+class ManifestError(ValueError):
+    """The text is not YAML, or a document in it is not a mapping; the message is one line."""
+
+
+def load_all(text: str, source: str = "<input>") -> list[dict]:
+    """The non-empty documents of a YAML stream, each a mapping; otherwise ManifestError naming where."""
+    try:
+        docs = list(yaml.safe_load_all(text))
+    except yaml.YAMLError as e:
+        raise ManifestError(f"{source}: not valid YAML: {_one_line(e)}") from None
+    out = []
+    for n, d in enumerate(docs, 1):
+        if d is None:
+            continue
+        if not isinstance(d, dict):
+            raise ManifestError(f"{source}: document {n} is not a mapping (a YAML {_kind(d)}); "
+                                "expected a Kubernetes object such as `kind: EmbeddingService`")
+        out.append(d)
+    return out
+
+
+def _one_line(e: yaml.YAMLError) -> str:
+    def at(mark) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+    context, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if not problem:
+        return " ".join(str(e).split())
+    out = f"{at(mark)}: {problem}" if mark is not None else problem
+    if context:
+        out += f" ({context}{' at ' + at(cmark) if cmark is not None else ''})"
+    return " ".join(out.split())
+
+
+def _kind(d: Any) -> str:
+    return {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(d), type(d).__name__)
