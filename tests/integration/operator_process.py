@@ -1,0 +1,193 @@
+"""Helpers for the HA and fault tests: the operator as a real process (`embedops-operator run`, so it can be
+SIGKILLed), a kubeconfig with the chart's ServiceAccount token, and small waits/counters."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+GROUP, VERSION, PLURAL = "embedops.dev", "v1alpha1", "embeddingservices"
+CRD = REPO / "crds" / "embedops.dev_embeddingservices.yaml"
+
+# A CPU service on the kwok nodes: a Deployment, a Service, no optional children (no LiteLLM ConfigMap).
+CPU_SPEC = {"model": {"id": "/models/all-MiniLM-L6-v2", "maxInputLength": 256},
+            "accelerator": {"cpu": {"cores": 1, "memory": "1Gi"}},
+            "batching": {"maxBatchTokens": 4096},
+            "monitoring": {"serviceMonitor": {"enabled": False}}}
+
+
+def wait_for(what: str, fn, timeout: float = 60, interval: float = 0.25):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+        except Exception as exc:  # noqa: BLE001 - keep polling, report the last error
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+
+
+class OperatorProcess:
+    """`python -m embedops_operator.cli run ...` with its own log file; killed by PID (its own session)."""
+
+    def __init__(self, name: str, kubeconfig: str, log_dir: Path, args: list[str], env: dict | None = None):
+        self.name, self.kubeconfig, self.args = name, kubeconfig, args
+        self.log_path = log_dir / f"{name}.log"
+        self.env = env or {}
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> "OperatorProcess":
+        env = {**os.environ, "KUBECONFIG": self.kubeconfig, "POD_NAME": self.name,
+               "PYTHONPATH": str(REPO / "operator"), "PYTHONUNBUFFERED": "1", **self.env}
+        with open(self.log_path, "ab") as log:
+            log.write(f"---- start {self.starts + 1} at {time.time():.3f}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen([sys.executable, "-m", "embedops_operator.cli", "run", *self.args],
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         cwd=REPO, start_new_session=True)
+        self.starts += 1
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.wait(10)
+
+    def wait(self, timeout: float) -> int | None:
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self) -> int | None:
+        """SIGTERM (kopf's graceful stop), SIGKILL after 20 s."""
+        if not self.alive():
+            return self.proc.returncode if self.proc else None
+        self.signal(signal.SIGTERM)
+        rc = self.wait(20)
+        if rc is None:
+            self.kill()
+            rc = self.proc.returncode
+        return rc
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+
+def install_crd(kube, api) -> None:
+    from kubernetes import client
+
+    kube.apply(CRD)
+
+    def established():
+        crd = client.ApiextensionsV1Api(api).read_custom_resource_definition(f"{PLURAL}.{GROUP}")
+        return any(x.type == "Established" and x.status == "True" for x in crd.status.conditions or [])
+    wait_for("CRD established", established, 60)
+
+
+def chart_rbac_kubeconfig(kube, api, ns: str, release: str, out: Path) -> tuple[Path, list[dict]]:
+    """Render the chart (watching `ns`, installed in `ns`), apply its ServiceAccount and RBAC (incl. the
+    leader-election Role), and write a kubeconfig with that account's token. Returns (path, applied docs)."""
+    from kubernetes import client
+
+    chart = REPO / "charts" / "embedops-operator"
+    rendered = subprocess.run([kube.helm, "template", release, str(chart), "--namespace", ns,
+                               "--set", f"watchNamespaces={{{ns}}}"], capture_output=True, text=True,
+                              check=True).stdout
+    docs = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in (
+        "ServiceAccount", "ClusterRole", "Role", "RoleBinding")]
+    kube.apply(docs, namespace=ns)
+    sa = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    token = client.CoreV1Api(api).create_namespaced_service_account_token(
+        sa, ns, client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
+            audiences=[], expiration_seconds=3600))).status.token
+    admin = yaml.safe_load(Path(kube.kubeconfig).read_text())
+    cluster = admin["clusters"][0]
+    out.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "clusters": [cluster],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": cluster["name"], "user": "operator"}}],
+        "current-context": "operator"}))
+    return out, docs
+
+
+def delete_cluster_scoped(api, docs: list[dict]) -> None:
+    from kubernetes import client
+
+    rbac = client.RbacAuthorizationV1Api(api)
+    for d in docs:
+        try:
+            if d["kind"] == "ClusterRole":
+                rbac.delete_cluster_role(d["metadata"]["name"])
+            elif d["kind"] == "ClusterRoleBinding":
+                rbac.delete_cluster_role_binding(d["metadata"]["name"])
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+
+def es_body(ns: str, name: str, spec: dict) -> dict:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "EmbeddingService",
+            "metadata": {"name": name, "namespace": ns}, "spec": spec}
+
+
+def converged(custom, apps, core, ns: str, name: str) -> bool:
+    """The operator has seen the current generation and its Deployment and Service exist."""
+    from kubernetes.client.rest import ApiException
+
+    es = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+    if (es.get("status") or {}).get("observedGeneration") != es["metadata"]["generation"]:
+        return False
+    try:
+        apps.read_namespaced_deployment(name, ns)
+        core.read_namespaced_service(name, ns)
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+    return True
+
+
+def children_report(custom, apps, core, ns: str) -> dict:
+    """Every EmbeddingService's children by kind, and the children no live service owns (orphans)."""
+    services = {o["metadata"]["uid"]: o["metadata"]["name"]
+                for o in custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]}
+    out: dict = {"deployments": {}, "services": {}, "orphans": [], "duplicates": []}
+    selector = "app.kubernetes.io/managed-by=embedops"
+    for kind, items in (("deployments", apps.list_namespaced_deployment(ns, label_selector=selector).items),
+                        ("services", core.list_namespaced_service(ns, label_selector=selector).items)):
+        for it in items:
+            owners = [r.uid for r in (it.metadata.owner_references or []) if r.controller]
+            if len(owners) != 1 or owners[0] not in services:
+                out["orphans"].append(f"{kind}/{it.metadata.name}")
+                continue
+            owner = services[owners[0]]
+            if owner in out[kind]:
+                out["duplicates"].append(f"{kind}/{it.metadata.name}")
+            out[kind][owner] = it.metadata.name
+    return out
+
+
+def dump(obj) -> str:
+    return json.dumps(obj, indent=1, default=str)[:4000]
