@@ -12,7 +12,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Iterable
+from collections import Counter
+from typing import Any, Callable, Iterable, Iterator
 
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
@@ -71,6 +72,7 @@ class Kube:
         self._caps: tuple[float, frozenset] | None = None
         self._lock = threading.Lock()
         self.writes = 0  # counted for tests and logs
+        self.requests: Counter = Counter()  # every request sent, by verb (GET, LIST, WATCH, PATCH, ...)
 
     @staticmethod
     def configuration() -> k8s.Configuration:
@@ -84,20 +86,31 @@ class Kube:
         return cfg
 
     @classmethod
-    def _default_client(cls) -> k8s.ApiClient:
-        return k8s.ApiClient(cls.configuration())
+    def _default_client(cls, pool_size: int = 16) -> k8s.ApiClient:
+        cfg = cls.configuration()
+        cfg.connection_pool_maxsize = pool_size  # workers and watches in parallel, connections reused
+        return k8s.ApiClient(cfg)
 
     # ------------------------------------------------------------------ raw
-    def request(self, method: str, path: str, query: list | None = None, body: Any = None,
-                content_type: str = "application/json") -> Any:
+    def _send(self, method: str, path: str, query: list | None, body: Any, content_type: str,
+              timeout: Any = 30) -> Any:
         headers = {"Accept": "application/json"}
         if body is not None:
             headers["Content-Type"] = content_type
         method, url, headers, body, post = self.api.param_serialize(
             method=method, resource_path=path, query_params=query or [], header_params=headers, body=body,
             auth_settings=["BearerToken"])
-        resp = self.api.call_api(method, url, header_params=headers, body=body, post_params=post,
-                                 _request_timeout=30)
+        verb = method
+        if method == "GET":
+            verb = "WATCH" if any(k == "watch" for k, _ in query or []) else _read_verb(path)
+        with self._lock:
+            self.requests[verb] += 1
+        return self.api.call_api(method, url, header_params=headers, body=body, post_params=post,
+                                 _request_timeout=timeout)
+
+    def request(self, method: str, path: str, query: list | None = None, body: Any = None,
+                content_type: str = "application/json") -> Any:
+        resp = self._send(method, path, query, body, content_type)
         data = resp.read()
         if not 200 <= resp.status < 300:
             raise ApiException(status=resp.status, reason=resp.reason,
@@ -124,6 +137,47 @@ class Kube:
     def list(self, api_version: str, kind: str, namespace: str | None, selector: str | None = None) -> list[dict]:
         query = [("labelSelector", selector)] if selector else []
         return self.request("GET", self.path(api_version, kind, namespace), query=query).get("items", [])
+
+    # ------------------------------------------------------------------ watch-cache transport
+    def lister(self, api_version: str, kind: str, namespace: str | None, selector: str | None = None) -> Callable:
+        """(limit, continue) -> (items, resourceVersion, continue): one page of a listing, for watchcache."""
+        path = self.path(api_version, kind, namespace)
+
+        def list_page(limit: int, cont: str | None) -> tuple[list[dict], str, str | None]:
+            query = [("limit", str(limit))] + ([("labelSelector", selector)] if selector else [])
+            if cont:
+                query.append(("continue", cont))
+            out = self.request("GET", path, query=query)
+            meta = out.get("metadata") or {}
+            return out.get("items") or [], meta.get("resourceVersion", ""), meta.get("continue") or None
+        return list_page
+
+    def watcher(self, api_version: str, kind: str, namespace: str | None, selector: str | None = None) -> Callable:
+        """(resourceVersion, timeout_s, opened) -> the watch's events, for watchcache; `opened` receives a
+        function that closes the stream (to stop at once)."""
+        path = self.path(api_version, kind, namespace)
+
+        def watch_stream(rv: str | None, timeout: float, opened: Callable) -> Iterator[dict]:
+            query = [("watch", "true"), ("allowWatchBookmarks", "true"), ("timeoutSeconds", str(int(timeout)))]
+            if selector:
+                query.append(("labelSelector", selector))
+            if rv:
+                query.append(("resourceVersion", rv))
+            # read timeout: the server sends a bookmark about once a minute, and ends the watch at `timeout`
+            resp = self._send("GET", path, query, None, "application/json", timeout=(10, timeout + 90))
+            raw = resp.response
+            if not 200 <= resp.status < 300:
+                data = raw.read()
+                raise ApiException(status=resp.status, reason=resp.reason,
+                                   body=data.decode("utf-8", "replace") if data else "")
+            opened(raw.shutdown if hasattr(raw, "shutdown") else raw.close)
+            try:
+                from .watchcache import iter_lines
+                for line in iter_lines(raw.stream(65536, decode_content=True)):
+                    yield json.loads(line)
+            finally:
+                raw.release_conn()
+        return watch_stream
 
     def apply(self, obj: dict, manager: str = R.MANAGER, dry_run: bool = False) -> dict:
         meta = obj["metadata"]
@@ -177,6 +231,17 @@ class Kube:
     def forget_capabilities(self) -> None:
         with self._lock:
             self._caps = None
+
+
+def _read_verb(path: str) -> str:
+    """GET (one object), LIST (a collection) or DISCOVERY (/api/v1, /apis/<group>/<version>) for a GET path."""
+    parts = path.strip("/").split("/")
+    rest = parts[2:] if parts[0] == "api" else parts[3:]  # drop api/v1 or apis/<group>/<version>
+    if not rest:
+        return "DISCOVERY"
+    if rest[0] == "namespaces" and len(rest) > 2:
+        rest = rest[2:]
+    return "GET" if len(rest) >= 2 else "LIST"
 
 
 def needs_write(kube: Kube, desired: dict, manager: str = R.MANAGER) -> bool:

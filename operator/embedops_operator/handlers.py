@@ -1,10 +1,11 @@
-"""Thin kopf handlers. All logic lives in reconcile.py.
+"""Thin kopf handlers: kopf runs the process (login, liveness, signals); controller.py does the watching.
 
-Why watch events instead of kopf's create/update/resume handlers and timers: those persist progress and
-diff-base annotations on the EmbeddingService and timers add a finalizer, i.e. the operator would write to
-every object on start-up and block deletion while it is down. Watch events (including the initial listing
-on start-up) drive the same level-based reconcile, which writes nothing when nothing changed; a resync loop
-corrects drift and picks up CRDs installed later.
+Why the operator's own watch caches instead of kopf's event handlers: reconciles must read from memory, and
+a cache must notice deletions that happened while its watch was away (kopf re-lists after a 410 but gives no
+DELETED for objects gone in the gap, and does not tell handlers when a re-listing is complete). It also keeps
+kopf from writing anything: its create/update handlers store progress and diff-base annotations on every
+object and its timers add a finalizer. Without CRD scanning (it would need list/watch on CRDs and
+namespaces) kopf never watches a kind whose CRD appears after start-up; the informers keep retrying quietly.
 """
 from __future__ import annotations
 
@@ -14,19 +15,11 @@ import logging
 import kopf
 
 from . import apply as A
-from . import render as R
-from . import spec as S
-from .reconcile import Reconciler, Settings
+from .controller import Controller
+from .reconcile import Settings
 
 log = logging.getLogger("embedops.handlers")
 _state: dict = {}
-MANAGED = {R.LABEL_MANAGED_BY: R.MANAGER}
-
-
-def reconciler() -> Reconciler:
-    if "reconciler" not in _state:
-        _state["reconciler"] = Reconciler(A.Kube(), Settings.from_env())
-    return _state["reconciler"]
 
 
 @kopf.on.login()
@@ -45,53 +38,15 @@ def login(**_: object) -> kopf.ConnectionInfo:
 async def startup(settings: kopf.OperatorSettings, **_: object) -> None:
     settings.posting.level = logging.WARNING
     settings.peering.standalone = True
-    # No cluster-wide CRD/namespace scanning: it would need list/watch on CRDs and namespaces. The
-    # EmbeddingService CRD must exist when the operator starts (the chart installs it first).
     settings.scanning.disabled = True
-    settings.watching.server_timeout = 300
-    settings.watching.client_timeout = 330
     settings.execution.max_workers = 8
-    rec = reconciler()
-
-    async def loop() -> None:
-        # Services deleted while the operator was down left their LiteLLM entries; no event will come.
-        await asyncio.to_thread(rec.sweep_litellm)
-        while True:
-            await asyncio.sleep(rec.settings.resync_seconds)
-            try:
-                await asyncio.to_thread(rec.resync)
-            except Exception:  # noqa: BLE001
-                log.exception("resync failed")
-
-    _state["resync"] = asyncio.get_running_loop().create_task(loop())
+    controller = Controller(A.Kube(), Settings.from_env())
+    _state["controller"] = controller
+    await asyncio.to_thread(controller.start)
 
 
 @kopf.on.cleanup()
 async def cleanup(**_: object) -> None:
-    task = _state.pop("resync", None)
-    if task:
-        task.cancel()
-    _state.pop("reconciler", None)
-
-
-@kopf.on.event(S.GROUP, S.VERSION, S.PLURAL)
-def on_embedding_service(event: dict, body: kopf.Body, namespace: str, name: str, **_: object) -> None:
-    if event.get("type") == "DELETED":
-        reconciler().forget(namespace, name, dict(body))
-        return
-    reconciler().reconcile(namespace, name)
-
-
-@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
-@kopf.on.event("", "v1", "services", labels=MANAGED)
-def on_owned_child(body: kopf.Body, namespace: str, **_: object) -> None:
-    owner = (body.get("metadata", {}).get("labels") or {}).get(R.LABEL_SERVICE)
-    if owner:  # drift on a child, or its status moved: re-apply and refresh status
-        reconciler().reconcile(namespace, owner)
-
-
-@kopf.on.event("", "v1", "pods", labels=MANAGED)
-def on_pod(body: kopf.Body, namespace: str, **_: object) -> None:
-    owner = (body.get("metadata", {}).get("labels") or {}).get(R.LABEL_SERVICE)
-    if owner:
-        reconciler().reconcile(namespace, owner, apply_children=False)
+    controller = _state.pop("controller", None)
+    if controller:
+        await asyncio.to_thread(controller.stop)

@@ -158,8 +158,15 @@ class Reconciler:
     def list_all(self) -> list[tuple[str, str]]:
         keys = []
         for ns in self.settings.namespaces or [None]:
-            for item in self.kube.list(S.API_VERSION, S.KIND, ns):
-                keys.append((item["metadata"]["namespace"], item["metadata"]["name"]))
+            try:
+                items = self.kube.list(S.API_VERSION, S.KIND, ns)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                # the CRD is not installed (yet): nothing to resync; its watch picks services up once it is
+                log.debug("no %s served yet", S.KIND)
+                continue
+            keys += [(item["metadata"]["namespace"], item["metadata"]["name"]) for item in items]
         return keys
 
     def resync(self) -> None:

@@ -136,7 +136,7 @@ def _rules() -> dict[tuple[str, str], set[str]]:
 
 def test_rbac_is_exactly_what_the_operator_uses():
     rules = _rules()
-    write = {"get", "list", "create", "patch", "delete"}
+    write = {"get", "list", "watch", "create", "patch", "delete"}  # watch: the operator's caches
     for api_version, kind in A.OWNED_KINDS:
         group = api_version.split("/")[0] if "/" in api_version else ""
         plural = A.PLURALS[(api_version, kind)]
@@ -144,8 +144,8 @@ def test_rbac_is_exactly_what_the_operator_uses():
     assert rules[("embedops.dev", "embeddingservices")] == {"get", "list", "watch"}
     assert rules[("embedops.dev", "embeddingservices/status")] == {"get", "patch"}
     assert rules[("", "pods")] == {"get", "list", "watch"}
-    assert rules[("", "configmaps")] == {"get", "list", "create", "patch"}  # LiteLLM entries and their sweep
-    assert rules[("apps", "deployments")] == write | {"watch"}
-    assert rules[("", "services")] == write | {"watch"}
+    assert rules[("", "configmaps")] == {"get", "list", "watch", "create", "patch"}  # LiteLLM entries, sweep
+    assert rules[("apps", "deployments")] == write
+    assert rules[("", "services")] == write
     assert ("", "secrets") not in rules  # the API key is only referenced, never read
     assert not any("*" in verbs or res == "*" for (_, res), verbs in rules.items())

@@ -1,0 +1,208 @@
+"""Wiring: watch caches → a work queue of EmbeddingService keys → worker threads running the reconciler.
+
+- One informer (watchcache.py) per watched kind (and per namespace when the operator is limited to some):
+  EmbeddingServices; the Deployments, Services, Pods, PodDisruptionBudgets and HPAs labelled
+  `app.kubernetes.io/managed-by=embedops`; ConfigMaps labelled `embedops.dev/litellm=true`; and the optional
+  kinds (ServiceMonitor, HTTPRoute, ScaledObject), each started when discovery finds its CRD and stopped when
+  it goes.
+- Events map to keys: an EmbeddingService's own events, and those of its children (drift, or a Deployment's
+  status moving) reconcile it fully; its Pods' events recompute its status only. A DELETED EmbeddingService
+  removes its LiteLLM entry (the reconciler's `forget`).
+- The reconciler reads through `CachedKube`, so a reconcile of an unchanged service sends nothing.
+- Every `resyncSeconds` discovery is refreshed (optional CRDs installed or removed since) and every cached
+  EmbeddingService is queued again (drift the events did not show), then LiteLLM entries are swept.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from functools import partial
+
+from . import apply as A
+from . import render as R
+from . import spec as S
+from . import watchcache as W
+from .cachedkube import CachedKube
+from .reconcile import Reconciler, Settings
+from .workqueue import WorkQueue
+
+log = logging.getLogger("embedops.controller")
+
+MANAGED = f"{R.LABEL_MANAGED_BY}={R.MANAGER}"
+ES = (S.API_VERSION, S.KIND)
+# kind -> the label selector of its informer; the optional kinds are added when their CRD is served
+CORE_KINDS: dict[tuple[str, str], str | None] = {
+    ES: None,
+    ("apps/v1", "Deployment"): MANAGED,
+    ("v1", "Service"): MANAGED,
+    ("v1", "Pod"): MANAGED,
+    ("policy/v1", "PodDisruptionBudget"): MANAGED,
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): MANAGED,
+    ("v1", "ConfigMap"): f"{R.LABEL_LITELLM}=true",
+}
+
+
+def _pod_view(pod: dict) -> dict:
+    """What status computation reads of a Pod: metadata (without managedFields) and status."""
+    meta = {k: v for k, v in (pod.get("metadata") or {}).items() if k != "managedFields"}
+    return {"apiVersion": pod.get("apiVersion", "v1"), "kind": "Pod", "metadata": meta,
+            "status": pod.get("status") or {}}
+
+
+def _keep_all(obj: dict) -> dict:
+    return obj  # ConfigMaps: LiteLLM entry owners are read from managedFields
+
+
+TRANSFORMS = {"Pod": _pod_view, "ConfigMap": _keep_all}
+
+
+class Controller:
+    def __init__(self, kube: A.Kube, settings: Settings | None = None, workers: int = 4):
+        self.kube = kube
+        self.settings = settings or Settings()
+        # discovery is refreshed by the resync loop; reconciles in between reuse it
+        kube.capability_ttl = max(kube.capability_ttl, self.settings.resync_seconds)
+        self.cache = CachedKube(kube, on_capabilities=self._optional_kinds)
+        self.reconciler = Reconciler(self.cache, self.settings)
+        self.queue = WorkQueue()
+        self.workers = workers
+        self.tombstones: dict[tuple[str, str], dict] = {}  # deleted EmbeddingServices not yet forgotten
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------ informers
+    def _start_kind(self, api_version: str, kind: str, selector: str | None) -> None:
+        with self._lock:
+            if (api_version, kind) in self.cache.informers or self._stop.is_set():
+                return
+            infs = []
+            for ns in self.settings.namespaces or [None]:
+                infs.append(W.Informer(
+                    f"{kind} in {ns or 'all namespaces'}",
+                    self.kube.lister(api_version, kind, ns, selector),
+                    self.kube.watcher(api_version, kind, ns, selector),
+                    on_event=partial(self._on_event, kind),
+                    transform=TRANSFORMS.get(kind, W.strip_managed_fields),
+                    namespace=ns, selector=selector))
+            self.cache.informers[(api_version, kind)] = infs
+        for inf in infs:
+            inf.start()
+
+    def _stop_kind(self, api_version: str, kind: str) -> None:
+        with self._lock:
+            infs = self.cache.informers.pop((api_version, kind), [])
+        for inf in infs:
+            inf.stop(join=0)
+
+    def _optional_kinds(self, capabilities: frozenset) -> None:
+        for api_version, kind in R.OPTIONAL_KINDS:
+            if (api_version, kind) in capabilities:
+                self._start_kind(api_version, kind, MANAGED)
+            elif (api_version, kind) in self.cache.informers:
+                self._stop_kind(api_version, kind)
+
+    # ------------------------------------------------------------------ events → keys
+    def _on_event(self, kind: str, etype: str, old: dict | None, new: dict | None) -> None:
+        meta = (new or old or {}).get("metadata") or {}
+        ns = meta.get("namespace") or ""
+        if kind == S.KIND:
+            key = (ns, meta.get("name", ""))
+            if etype == "DELETED":
+                self.tombstones[key] = old or {}
+            else:
+                self.tombstones.pop(key, None)
+            self.queue.add(key, True)
+            return
+        if kind == "ConfigMap":
+            return  # read by the sweeps; entries are re-applied by their services' reconciles
+        owner = (meta.get("labels") or {}).get(R.LABEL_SERVICE)
+        if owner:
+            self.queue.add((ns, owner), kind != "Pod")
+
+    # ------------------------------------------------------------------ workers
+    def _work(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            key, full = item
+            ok = True
+            body = self.tombstones.pop(key, None)
+            try:
+                if body is not None and self.cache.get(*ES, *key) is None:
+                    self.reconciler.forget(*key, body)
+                    self.queue.forget(key)
+                else:
+                    self.reconciler.reconcile(*key, apply_children=full)
+            except Exception:  # noqa: BLE001 - retried with a backoff
+                log.exception("reconcile of %s/%s failed", *key)
+                if body is not None:
+                    self.tombstones.setdefault(key, body)
+                ok = False
+            finally:
+                self.queue.done(key, ok)
+
+    def resync(self) -> None:
+        self.cache.forget_capabilities()
+        try:
+            self.cache.capabilities()  # starts or stops the optional kinds' informers
+        except Exception as exc:  # noqa: BLE001 - the API server may be away; next resync
+            log.warning("discovery failed: %s", W._short(exc))
+        for key in self.reconciler.list_all():
+            self.queue.add(key, True)
+        self.reconciler.sweep_litellm()
+
+    def _resync_loop(self) -> None:
+        self.reconciler.sweep_litellm()  # services deleted while the operator was down; no event will come
+        while not self._stop.wait(self.settings.resync_seconds):
+            try:
+                self.resync()
+            except Exception:  # noqa: BLE001
+                log.exception("resync failed")
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, sync_timeout: float = 60.0) -> "Controller":
+        try:
+            self.cache.capabilities()
+        except Exception as exc:  # noqa: BLE001 - retried by the resync loop
+            log.warning("discovery failed: %s", W._short(exc))
+        for (api_version, kind), selector in CORE_KINDS.items():
+            self._start_kind(api_version, kind, selector)
+        # Reconciles wait for the caches (a half-filled cache would look like missing children). Kinds that
+        # cannot be listed (CRD not installed, no permission) do not hold the others up: they read the API.
+        with self._lock:
+            infs = [i for group in self.cache.informers.values() for i in group]
+        deadline = time.monotonic() + sync_timeout
+        for inf in infs:
+            while not inf.wait_synced(0.2) and not inf.waiting_reason and not self._stop.is_set() \
+                    and time.monotonic() < deadline:
+                pass
+        for n in range(self.workers):
+            self._spawn(self._work, f"embedops-worker-{n}")
+        self._spawn(self._resync_loop, "embedops-resync")
+        log.info("watch caches synced: %s", ", ".join(
+            f"{kind} {sum(len(i.keys()) for i in group)}" for (_, kind), group in self.cache.informers.items()))
+        return self
+
+    def _spawn(self, target, name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.queue.close()
+        with self._lock:
+            infs = [i for group in self.cache.informers.values() for i in group]
+        for inf in infs:
+            inf.stop(join=0)
+        for t in self._threads:
+            t.join(10)
+        for inf in infs:
+            inf.stop(join=5)
+
+    def requests(self) -> dict[str, int]:
+        """Requests this operator sent, by verb (the client's count)."""
+        return dict(self.kube.requests)

@@ -1,0 +1,283 @@
+"""Watch caches: one list+watch per kind (and namespace), kept in memory and read instead of the API server.
+
+An `Informer` lists a kind once, then watches from the list's resourceVersion with bookmarks, so at rest it
+sends one request per watch renewal (the server ends a watch after `timeoutSeconds`, 5-10 minutes here) and
+nothing else. Each change of the cache calls `on_event(type, old, new)` from the informer's thread.
+
+- A watch that ends (timeout, dropped connection) resumes from the last resourceVersion seen (bookmarks keep
+  it fresh).
+- A resourceVersion the server no longer has (410 Gone, as an HTTP status or an ERROR event) means events
+  were missed: the kind is listed again and the listing is compared with the cache, so an object deleted in
+  the gap produces its DELETED event and one changed in the gap its MODIFIED event. Nothing is lost.
+- A kind the server does not serve (404: its CRD is not installed yet) or may not be read (403) is retried
+  quietly with a backoff up to `max_backoff`; the cache stays unsynced (readers fall back to the API) until
+  a listing succeeds, and then delivers every object as ADDED.
+- Writes of our own are stored with `put()` (the object the API server returned), so the watch event that
+  follows carries the same resourceVersion and changes nothing: our writes do not come back as events.
+
+The transport is two callables (see `Kube.list_page` / `Kube.watch_stream` in apply.py), so tests can fake it.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from typing import Callable, Iterable, Iterator
+
+log = logging.getLogger("embedops.watchcache")
+
+Key = tuple[str, str]  # (namespace, name)
+EventFn = Callable[[str, "dict | None", "dict | None"], None]
+
+
+class Gone(Exception):
+    """The resourceVersion a watch started from is too old (HTTP 410 or a 410 ERROR event)."""
+
+
+def key_of(obj: dict) -> Key:
+    meta = obj.get("metadata") or {}
+    return meta.get("namespace") or "", meta.get("name") or ""
+
+
+def _rv(obj: dict | None) -> int | None:
+    try:
+        return int(((obj or {}).get("metadata") or {}).get("resourceVersion"))
+    except (TypeError, ValueError):
+        return None
+
+
+def strip_managed_fields(obj: dict) -> dict:
+    meta = obj.get("metadata")
+    if meta and "managedFields" in meta:
+        obj["metadata"] = {k: v for k, v in meta.items() if k != "managedFields"}
+    return obj
+
+
+class Informer:
+    """The cache of one kind in one namespace ('' or None: all), optionally filtered by a label selector."""
+
+    def __init__(self, name: str, list_page: Callable, watch_stream: Callable, *, on_event: EventFn | None = None,
+                 transform: Callable[[dict], dict] = strip_managed_fields, page_size: int = 500,
+                 watch_timeout: float = 300.0, max_backoff: float = 30.0, namespace: str | None = None,
+                 selector: str | None = None):
+        self.name = name
+        self.namespace = namespace  # what the transport covers (None: all namespaces), for readers
+        self.label_filter = parse_selector(selector)  # the transport's label selector, for readers
+        self._list_page = list_page  # (limit, continue) -> (items, resourceVersion, continue)
+        self._watch_stream = watch_stream  # (resourceVersion, timeout_s, on_open) -> iterator of raw events
+        self.on_event = on_event
+        self.transform = transform
+        self.page_size = page_size
+        self.watch_timeout = watch_timeout
+        self.max_backoff = max_backoff
+        self._items: dict[Key, dict] = {}
+        self._lock = threading.Lock()
+        self._rv: str | None = None
+        self._stop = threading.Event()
+        self._synced = threading.Event()
+        self._closer: Callable[[], None] | None = None
+        self._thread: threading.Thread | None = None
+        self.lists = 0  # listings done (the first, and one per 410 or failed resume)
+        self.watches = 0  # watch requests opened
+        self.waiting_reason: str | None = None  # why it is not synced (404/403), for logs and tests
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def synced(self) -> bool:
+        return self._synced.is_set()
+
+    def wait_synced(self, timeout: float | None = None) -> bool:
+        return self._synced.wait(timeout)
+
+    def get(self, namespace: str, name: str) -> dict | None:
+        with self._lock:
+            return self._items.get((namespace or "", name))
+
+    def items(self, namespace: str | None = None) -> list[dict]:
+        with self._lock:
+            return [o for (ns, _), o in self._items.items() if namespace in (None, "", ns)]
+
+    def keys(self) -> list[Key]:
+        with self._lock:
+            return list(self._items)
+
+    # ------------------------------------------------------------------ our own writes
+    def put(self, obj: dict) -> None:
+        """Store an object the API server returned for our write, unless the cache already holds a newer one."""
+        obj = self.transform(obj)
+        k = key_of(obj)
+        with self._lock:
+            old = self._items.get(k)
+            if old is not None and _rv(old) is not None and _rv(obj) is not None and _rv(old) > _rv(obj):
+                return
+            self._items[k] = obj
+
+    def drop(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._items.pop((namespace or "", name), None)
+
+    # ------------------------------------------------------------------ applying changes
+    def _emit(self, etype: str, old: dict | None, new: dict | None) -> None:
+        if self.on_event is None:
+            return
+        try:
+            self.on_event(etype, old, new)
+        except Exception:  # noqa: BLE001 - a handler bug must not stop the cache
+            log.exception("%s: event handler failed", self.name)
+
+    def _apply_event(self, etype: str, obj: dict) -> None:
+        obj = self.transform(obj)
+        k = key_of(obj)
+        with self._lock:
+            old = self._items.get(k)
+            if etype == "DELETED":
+                self._items.pop(k, None)
+            else:
+                new_rv, old_rv = _rv(obj), _rv(old)
+                if old is not None and new_rv is not None and old_rv is not None and old_rv >= new_rv:
+                    return  # our own write already stored this (or a newer) version
+                self._items[k] = obj
+        if etype == "DELETED":
+            self._emit("DELETED", old or obj, None)
+        else:
+            self._emit("ADDED" if old is None else "MODIFIED", old, obj)
+
+    def _replace(self, listed: list[dict]) -> None:
+        """A fresh listing: the cache becomes exactly it; the differences are delivered as events."""
+        fresh = {}
+        for raw in listed:
+            obj = self.transform(raw)
+            fresh[key_of(obj)] = obj
+        with self._lock:
+            old_items, self._items = self._items, fresh
+        for k, old in old_items.items():
+            if k not in fresh:
+                self._emit("DELETED", old, None)
+        for k, obj in fresh.items():
+            old = old_items.get(k)
+            if old is None:
+                self._emit("ADDED", None, obj)
+            elif _rv(old) is None or _rv(obj) is None or _rv(obj) > _rv(old):
+                self._emit("MODIFIED", old, obj)
+
+    # ------------------------------------------------------------------ the loop
+    def start(self) -> "Informer":
+        self._thread = threading.Thread(target=self._run, name=f"informer {self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, join: float = 5.0) -> None:
+        self._stop.set()
+        closer = self._closer
+        if closer:
+            try:
+                closer()
+            except Exception:  # noqa: BLE001 - best effort: the watch times out anyway
+                pass
+        if self._thread and self._thread is not threading.current_thread():
+            self._thread.join(join)
+
+    def _list(self) -> None:
+        items: list[dict] = []
+        cont = None
+        while True:
+            page, rv, cont = self._list_page(self.page_size, cont)
+            items.extend(page)
+            if not cont:
+                break
+        self.lists += 1
+        self._rv = rv
+        self._replace(items)
+        if self.waiting_reason:
+            log.info("%s: listed after waiting (%s)", self.name, self.waiting_reason)
+            self.waiting_reason = None
+        self._synced.set()
+
+    def _watch(self) -> None:
+        """One watch request from the last resourceVersion until the server ends it."""
+        self.watches += 1
+        timeout = self.watch_timeout * (1 + random.random())  # spread the renewals of many informers
+
+        def opened(closer: Callable[[], None]) -> None:
+            self._closer = closer
+        try:
+            for event in self._watch_stream(self._rv, timeout, opened):
+                if self._stop.is_set():
+                    return
+                etype, obj = event.get("type"), event.get("object") or {}
+                if etype == "ERROR":
+                    if obj.get("code") == 410:
+                        raise Gone(obj.get("message", "resourceVersion too old"))
+                    raise RuntimeError(f"watch error: {obj}")
+                rv = (obj.get("metadata") or {}).get("resourceVersion")
+                if etype in ("ADDED", "MODIFIED", "DELETED"):
+                    self._apply_event(etype, obj)
+                if rv:
+                    self._rv = rv  # BOOKMARK events only move this
+        finally:
+            self._closer = None
+
+    def _run(self) -> None:
+        backoff = 0.5
+        need_list = True
+        while not self._stop.is_set():
+            try:
+                if need_list:
+                    self._list()
+                    need_list = False
+                self._watch()
+                backoff = 0.5
+            except Gone:
+                log.debug("%s: resourceVersion expired, listing again", self.name)
+                need_list = True
+            except Exception as exc:  # noqa: BLE001 - retried with a backoff
+                if self._stop.is_set():
+                    return
+                status = getattr(exc, "status", None)
+                if status == 410:
+                    need_list = True
+                    continue
+                if status in (403, 404):
+                    reason = "not served (CRD not installed?)" if status == 404 else "forbidden"
+                    if self.waiting_reason != reason:
+                        log.info("%s: %s; retrying quietly", self.name, reason)
+                    self.waiting_reason = reason
+                    if self._synced.is_set():  # the kind went away: so did its objects
+                        self._synced.clear()
+                        self._replace([])
+                    need_list = True
+                else:
+                    log.warning("%s: %s; retrying in %.0f s", self.name, _short(exc), backoff)
+                    # resume from the last resourceVersion; a 410 then makes it list again
+                    need_list = need_list or self._rv is None
+                self._stop.wait(backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, self.max_backoff)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def parse_selector(selector: str | None) -> dict[str, str]:
+    """Equality-based label selector 'a=b,c=d' (the only form the operator uses)."""
+    return dict(p.split("=", 1) for p in selector.split(",") if p) if selector else {}
+
+
+def matches(obj: dict, want: dict[str, str]) -> bool:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return all(labels.get(k) == v for k, v in want.items())
+
+
+def iter_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """Newline-delimited frames from a byte stream (a watch response)."""
+    buf = b""
+    for chunk in chunks:
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            if line.strip():
+                yield line
+    if buf.strip():
+        yield buf

@@ -1,0 +1,96 @@
+"""A work queue of EmbeddingService keys: each key waits at most once, and is never worked on by two threads.
+
+An event for a key that is already waiting merges into it (a full reconcile wins over a status-only one);
+an event for a key being worked on marks it to run again after. Failed keys come back after a backoff.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+Key = tuple[str, str]
+
+
+class WorkQueue:
+    def __init__(self, max_backoff: float = 60.0):
+        self._cond = threading.Condition()
+        self._order: deque[Key] = deque()
+        self._waiting: dict[Key, bool] = {}  # key -> full reconcile (apply children) wanted
+        self._active: set[Key] = set()
+        self._again: dict[Key, bool] = {}  # keys whose events came while they were worked on
+        self._failures: dict[Key, int] = {}
+        self._timers: dict[Key, threading.Timer] = {}
+        self._closed = False
+        self.max_backoff = max_backoff
+
+    def add(self, key: Key, full: bool = True) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            if key in self._active:
+                self._again[key] = self._again.get(key, False) or full
+            elif key in self._waiting:
+                self._waiting[key] = self._waiting[key] or full
+            else:
+                self._waiting[key] = full
+                self._order.append(key)
+                self._cond.notify()
+
+    def get(self, timeout: float | None = None) -> tuple[Key, bool] | None:
+        """The next key and whether to apply children; None when closed (or after `timeout`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._order:
+                if self._closed:
+                    return None
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._cond.wait(left)
+            key = self._order.popleft()
+            full = self._waiting.pop(key)
+            self._active.add(key)
+            return key, full
+
+    def done(self, key: Key, ok: bool = True) -> None:
+        with self._cond:
+            self._active.discard(key)
+            if ok:
+                self._failures.pop(key, None)
+            again = self._again.pop(key, None)
+        if again is not None:
+            self.add(key, again)
+        elif not ok:
+            self._retry_later(key)
+
+    def _retry_later(self, key: Key) -> None:
+        with self._cond:
+            n = self._failures[key] = self._failures.get(key, 0) + 1
+            delay = min(0.5 * 2 ** (n - 1), self.max_backoff)
+            old = self._timers.pop(key, None)
+            if old:
+                old.cancel()
+            timer = threading.Timer(delay, lambda: (self._timers.pop(key, None), self.add(key, True)))
+            timer.daemon = True
+            self._timers[key] = timer
+            timer.start()
+
+    def forget(self, key: Key) -> None:
+        with self._cond:
+            self._failures.pop(key, None)
+            timer = self._timers.pop(key, None)
+        if timer:
+            timer.cancel()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._order)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            timers, self._timers = list(self._timers.values()), {}
+            self._cond.notify_all()
+        for t in timers:
+            t.cancel()

@@ -1,0 +1,224 @@
+"""Watch caches against a fake transport: listing, watch events, 410 Gone re-listing without a lost event,
+a kind that is not served yet, our own writes not coming back as events; the work queue; CachedKube."""
+from __future__ import annotations
+
+import threading
+import time
+
+from kubernetes.client.rest import ApiException
+
+from embedops_operator import watchcache as W
+from embedops_operator.cachedkube import CachedKube
+from embedops_operator.workqueue import WorkQueue
+
+
+def obj(name, rv, ns="ml", **labels):
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": ns, "resourceVersion": str(rv), "labels": labels,
+                         "managedFields": [{"manager": "x"}]}}
+
+
+class FakeServer:
+    """Objects by name; a list answers them all; a watch replays scripted event batches, then blocks."""
+
+    def __init__(self):
+        self.objects: dict[str, dict] = {}
+        self.rv = 0
+        self.scripts: list = []  # per watch: list of events, or an exception to raise
+        self.lists = 0
+        self.watch_rvs: list = []
+        self.list_error: Exception | None = None
+        self.idle = threading.Event()
+
+    def put(self, name, **labels):
+        self.rv += 1
+        self.objects[name] = obj(name, self.rv, **labels)
+        return self.objects[name]
+
+    def list_page(self, limit, cont):
+        if self.list_error:
+            raise self.list_error
+        self.lists += 1
+        return list(self.objects.values()), str(self.rv), None
+
+    def watch_stream(self, rv, timeout, opened):
+        self.watch_rvs.append(rv)
+        stop = threading.Event()
+        opened(stop.set)
+        if self.scripts:
+            step = self.scripts.pop(0)
+            if isinstance(step, Exception):
+                raise step
+            yield from step
+            return
+        self.idle.set()
+        stop.wait(5)
+
+
+def wait(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def informer(server, events):
+    return W.Informer("svc", server.list_page, server.watch_stream,
+                      on_event=lambda t, old, new: events.append((t, (new or old)["metadata"]["name"])),
+                      max_backoff=0.05)
+
+
+def test_list_then_watch_events_and_bookmarks():
+    server, events = FakeServer(), []
+    server.put("a")
+    server.scripts = [[{"type": "ADDED", "object": obj("b", 2)},
+                       {"type": "MODIFIED", "object": obj("a", 3)},
+                       {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "9"}}},
+                       {"type": "DELETED", "object": obj("b", 10)}]]
+    inf = informer(server, events).start()
+    try:
+        assert inf.wait_synced(2)
+        wait(server.idle.is_set)
+        assert events == [("ADDED", "a"), ("ADDED", "b"), ("MODIFIED", "a"), ("DELETED", "b")]
+        assert [o["metadata"]["name"] for o in inf.items()] == ["a"]
+        assert "managedFields" not in inf.get("ml", "a")["metadata"]
+        # the second watch resumes from the last resourceVersion seen (the DELETED event's), no new listing
+        assert server.watch_rvs == ["1", "10"] and server.lists == 1
+    finally:
+        inf.stop()
+
+
+def test_410_gone_relists_and_delivers_what_happened_in_the_gap():
+    server, events = FakeServer(), []
+    server.put("a")
+    server.put("b")
+    server.scripts = [[{"type": "ERROR", "object": {"code": 410, "message": "too old resource version"}}]]
+    inf = informer(server, events)
+
+    # while the watch was away: b deleted, a changed, c created
+    def gap(limit, cont, real=server.list_page):
+        if server.lists == 1:
+            del server.objects["b"]
+            server.put("a")
+            server.put("c")
+        return real(limit, cont)
+    inf._list_page = gap
+    inf.start()
+    try:
+        wait(server.idle.is_set)
+        assert server.lists == 2
+        assert events[:2] == [("ADDED", "a"), ("ADDED", "b")]
+        assert sorted(events[2:]) == [("ADDED", "c"), ("DELETED", "b"), ("MODIFIED", "a")]
+        assert sorted(k[1] for k in inf.keys()) == ["a", "c"]
+    finally:
+        inf.stop()
+
+
+def test_http_410_on_resume_also_relists():
+    server, events = FakeServer(), []
+    server.put("a")
+    server.scripts = [[], ApiException(status=410, reason="Gone")]
+    inf = informer(server, events).start()
+    try:
+        wait(server.idle.is_set)
+        assert server.lists == 2 and events == [("ADDED", "a")]  # nothing changed: no event
+    finally:
+        inf.stop()
+
+
+def test_not_served_kind_waits_quietly_then_lists(caplog):
+    server, events = FakeServer(), []
+    server.list_error = ApiException(status=404, reason="Not Found")
+    inf = informer(server, events).start()
+    try:
+        wait(lambda: inf.waiting_reason is not None)
+        time.sleep(0.2)  # several quiet retries
+        assert not inf.synced and not [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+        server.list_error = None
+        server.put("late")
+        assert inf.wait_synced(2)
+        wait(lambda: events == [("ADDED", "late")])
+    finally:
+        inf.stop()
+
+
+def test_own_writes_do_not_come_back_as_events():
+    server, events = FakeServer(), []
+    inf = informer(server, events)
+    inf._replace([obj("a", 1)])
+    inf.put(obj("a", 5))  # the API server's answer to our apply, stored before its watch event arrives
+    inf._apply_event("MODIFIED", obj("a", 5))
+    inf._apply_event("MODIFIED", obj("a", 3))  # an older event, late: does not regress the cache
+    assert events == [("ADDED", "a")]
+    inf._apply_event("MODIFIED", obj("a", 6))  # someone else's change
+    assert events == [("ADDED", "a"), ("MODIFIED", "a")]
+    assert inf.get("ml", "a")["metadata"]["resourceVersion"] == "6"
+
+
+class LiveKube:
+    def __init__(self):
+        self.calls = []
+        self.writes = 0
+
+    def get(self, *a):
+        self.calls.append(("get",) + a)
+        return None
+
+    def list(self, *a):
+        self.calls.append(("list",) + a)
+        return []
+
+    def apply(self, o, manager="embedops", dry_run=False):
+        self.calls.append(("apply", o["metadata"]["name"], dry_run))
+        out = dict(o, metadata=dict(o["metadata"], resourceVersion="7"))
+        return out
+
+
+def test_cached_kube_reads_the_cache_once_synced_and_writes_through():
+    server, events = FakeServer(), []
+    server.put("a", app="x")
+    server.put("b", app="y")
+    inf = informer(server, events)
+    inf.namespace, inf.label_filter = None, {}
+    live = LiveKube()
+    ck = CachedKube(live)
+    ck.informers[("v1", "Service")] = [inf]
+    assert ck.get("v1", "Service", "ml", "a") is None and live.calls  # not synced yet: the API answers
+    live.calls.clear()
+    inf.start()
+    try:
+        assert inf.wait_synced(2)
+        assert ck.get("v1", "Service", "ml", "a")["metadata"]["name"] == "a"
+        assert [o["metadata"]["name"] for o in ck.list("v1", "Service", "ml", "app=y")] == ["b"]
+        assert ck.list("v1", "Service", "other") == []
+        assert live.calls == []
+        ck.apply(obj("c", 0))
+        assert ck.get("v1", "Service", "ml", "c")["metadata"]["resourceVersion"] == "7"
+        ck.apply(obj("d", 0), dry_run=True)
+        assert ck.get("v1", "Service", "ml", "d") is None
+    finally:
+        inf.stop()
+
+
+def test_work_queue_merges_and_never_runs_a_key_twice_at_once():
+    q = WorkQueue()
+    q.add(("ml", "a"), full=False)
+    q.add(("ml", "a"), full=True)
+    q.add(("ml", "b"), full=False)
+    assert q.get(0) == (("ml", "a"), True)
+    q.add(("ml", "a"), full=False)  # while a is worked on: runs again after, not in parallel
+    assert q.get(0) == (("ml", "b"), False)
+    assert q.get(0) is None
+    q.done(("ml", "a"))
+    assert q.get(0) == (("ml", "a"), False)
+    q.done(("ml", "a"), ok=False)  # failed: back after a backoff
+    assert q.get(0) is None
+    assert q.get(2) == (("ml", "a"), True)
+    q.close()
+    assert q.get() is None
+
+
+def test_iter_lines_and_selectors():
+    assert list(W.iter_lines([b'{"a"', b':1}\n{"b":2}\n', b'{"c":3}'])) == [b'{"a":1}', b'{"b":2}', b'{"c":3}']
+    assert W.parse_selector("a=b,c=d") == {"a": "b", "c": "d"}
+    assert W.matches(obj("x", 1, a="b"), {"a": "b"}) and not W.matches(obj("x", 1), {"a": "b"})
