@@ -40,6 +40,7 @@ PLURALS: dict[tuple[str, str], str] = {
 }
 OWNED_KINDS = [("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"),
                ("autoscaling/v2", "HorizontalPodAutoscaler"), R.SERVICEMONITOR, R.HTTPROUTE, R.SCALEDOBJECT]
+AGGREGATED_DISCOVERY = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList,application/json"
 VOLATILE_META = ("managedFields", "resourceVersion", "generation", "creationTimestamp", "uid", "selfLink")
 
 
@@ -93,8 +94,8 @@ class Kube:
 
     # ------------------------------------------------------------------ raw
     def _send(self, method: str, path: str, query: list | None, body: Any, content_type: str,
-              timeout: Any = 30) -> Any:
-        headers = {"Accept": "application/json"}
+              timeout: Any = 30, accept: str = "application/json") -> Any:
+        headers = {"Accept": accept}
         if body is not None:
             headers["Content-Type"] = content_type
         method, url, headers, body, post = self.api.param_serialize(
@@ -109,8 +110,8 @@ class Kube:
                                  _request_timeout=timeout)
 
     def request(self, method: str, path: str, query: list | None = None, body: Any = None,
-                content_type: str = "application/json") -> Any:
-        resp = self._send(method, path, query, body, content_type)
+                content_type: str = "application/json", accept: str = "application/json") -> Any:
+        resp = self._send(method, path, query, body, content_type, accept=accept)
         data = resp.read()
         if not 200 <= resp.status < 300:
             raise ApiException(status=resp.status, reason=resp.reason,
@@ -213,6 +214,29 @@ class Kube:
         with self._lock:
             if self._caps and time.monotonic() - self._caps[0] < self.capability_ttl:
                 return self._caps[1]
+        caps = self._aggregated_discovery()
+        if caps is None:
+            caps = self._discovery_per_group()
+        with self._lock:
+            self._caps = (time.monotonic(), caps)
+        return caps
+
+    def _aggregated_discovery(self) -> frozenset | None:
+        """One request for every group's resources (aggregated discovery, Kubernetes 1.30+); None when the
+        server answers with the plain group list instead."""
+        res = self.request("GET", "/apis", accept=AGGREGATED_DISCOVERY)
+        if res.get("kind") != "APIGroupDiscoveryList":
+            return None
+        served = set()
+        for group in res.get("items") or []:
+            name = (group.get("metadata") or {}).get("name", "")
+            for version in group.get("versions") or []:
+                for r in version.get("resources") or []:
+                    kind = (r.get("responseKind") or {}).get("kind")
+                    served.add((f"{name}/{version.get('version')}", kind))
+        return frozenset(k for k in R.OPTIONAL_KINDS if k in served)
+
+    def _discovery_per_group(self) -> frozenset:
         found = set()
         for api_version, kind in R.OPTIONAL_KINDS:
             try:
@@ -223,10 +247,7 @@ class Kube:
                 raise
             if any(r.get("kind") == kind for r in res.get("resources", [])):
                 found.add((api_version, kind))
-        caps = frozenset(found)
-        with self._lock:
-            self._caps = (time.monotonic(), caps)
-        return caps
+        return frozenset(found)
 
     def forget_capabilities(self) -> None:
         with self._lock:
