@@ -5,6 +5,7 @@
     python -m bench --targets embedops-onnx,infinity --scenarios 1,2
     python -m bench --soak 600          # 10-minute RSS soak of the embedops server
     python -m bench --gpu               # the H200 profile (bench/gpu_check.sh runs it)
+    python -m bench --operator --n 200,1000   # the operator at fleet scale (bench/operator_bench.py)
 """
 from __future__ import annotations
 
@@ -400,6 +401,11 @@ class Runner:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--operator" in argv:  # its own scenario and options
+        from .operator_bench import main as operator_main
+
+        return operator_main([a for a in argv if a != "--operator"])
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", choices=sorted(W.PROFILES), default="quick")
