@@ -30,6 +30,7 @@ from .workqueue import WorkQueue
 log = logging.getLogger("embedops.controller")
 
 MANAGED = f"{R.LABEL_MANAGED_BY}={R.MANAGER}"
+COALESCE_SECONDS = 1.0
 ES = (S.API_VERSION, S.KIND)
 # kind -> the label selector of its informer; the optional kinds are added when their CRD is served
 CORE_KINDS: dict[tuple[str, str], str | None] = {
@@ -65,7 +66,9 @@ class Controller:
         kube.capability_ttl = max(kube.capability_ttl, self.settings.resync_seconds)
         self.cache = CachedKube(kube, on_capabilities=self._optional_kinds)
         self.reconciler = Reconciler(self.cache, self.settings)
-        self.queue = WorkQueue()
+        # changes that arrive while a service is reconciled are merged for COALESCE_SECONDS: a burst of spec
+        # edits writes its Deployment a few times, not once per edit
+        self.queue = WorkQueue(coalesce=COALESCE_SECONDS)
         self.workers = workers
         self.tombstones: dict[tuple[str, str], dict] = {}  # deleted EmbeddingServices not yet forgotten
         self._lock = threading.Lock()

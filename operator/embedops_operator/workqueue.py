@@ -2,6 +2,9 @@
 
 An event for a key that is already waiting merges into it (a full reconcile wins over a status-only one);
 an event for a key being worked on marks it to run again after. Failed keys come back after a backoff.
+With `coalesce` > 0 that run again waits `coalesce` seconds, merging every event meanwhile: a service whose
+spec changes many times a second is reconciled (its Deployment written) about once per window, not once per
+change, and the last change wins (fault test: 100 spec changes in 10 s).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ Key = tuple[str, str]
 
 
 class WorkQueue:
-    def __init__(self, max_backoff: float = 60.0):
+    def __init__(self, max_backoff: float = 60.0, coalesce: float = 0.0):
         self._cond = threading.Condition()
         self._order: deque[Key] = deque()
         self._waiting: dict[Key, bool] = {}  # key -> full reconcile (apply children) wanted
@@ -23,6 +26,8 @@ class WorkQueue:
         self._timers: dict[Key, threading.Timer] = {}
         self._closed = False
         self.max_backoff = max_backoff
+        self.coalesce = coalesce
+        self._held: dict[Key, bool] = {}  # keys in their coalescing window
 
     def add(self, key: Key, full: bool = True) -> None:
         with self._cond:
@@ -30,6 +35,8 @@ class WorkQueue:
                 return
             if key in self._active:
                 self._again[key] = self._again.get(key, False) or full
+            elif key in self._held:
+                self._held[key] = self._held[key] or full
             elif key in self._waiting:
                 self._waiting[key] = self._waiting[key] or full
             else:
@@ -59,10 +66,23 @@ class WorkQueue:
             if ok:
                 self._failures.pop(key, None)
             again = self._again.pop(key, None)
-        if again is not None:
+            hold = again is not None and self.coalesce > 0 and not self._closed
+            if hold:
+                self._held[key] = again
+        if hold:
+            timer = threading.Timer(self.coalesce, self._release, (key,))
+            timer.daemon = True
+            timer.start()
+        elif again is not None:
             self.add(key, again)
         elif not ok:
             self._retry_later(key)
+
+    def _release(self, key: Key) -> None:
+        with self._cond:
+            full = self._held.pop(key, None)
+        if full is not None:
+            self.add(key, full)
 
     def _retry_later(self, key: Key) -> None:
         with self._cond:

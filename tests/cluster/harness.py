@@ -23,6 +23,9 @@ CLI::
     python -m tests.cluster.harness up --real-node   # ... plus the real node cpu-real-0
     python -m tests.cluster.harness env    # prints `export KUBECONFIG=...`
     python -m tests.cluster.harness down   # stop everything it started
+
+Fault tests stop and start single components in place (same ports, same etcd data):
+``Cluster.stop_component("kube-apiserver")`` / ``start_component("kube-apiserver")`` (also ``etcd``).
 """
 from __future__ import annotations
 
@@ -351,7 +354,7 @@ class Cluster:
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True, cwd=self.run_dir)
         log.close()
-        state["procs"].append({"name": name, "pid": p.pid, "argv0": argv[0]})
+        state["procs"].append({"name": name, "pid": p.pid, "argv0": argv[0], "argv": argv})
         self._save(state)
 
     def _wait(self, what: str, ok, timeout: float, state: dict) -> None:
@@ -543,6 +546,57 @@ class Cluster:
         if self.state_file.exists():
             self.state_file.unlink()
         shutil.rmtree(self.run_dir / "etcd-data", ignore_errors=True)
+
+    # --- single components (fault tests) --------------------------------------------------------
+    def _proc(self, name: str) -> tuple[dict, dict]:
+        st = self._state()
+        for p in st.get("procs", []):
+            if p["name"] == name:
+                return st, p
+        raise KeyError(f"no {name} in {self.state_file} (components: "
+                       f"{[p['name'] for p in st.get('procs', [])]})")
+
+    def stop_component(self, name: str, kill: bool = False) -> None:
+        """Stop one component (``etcd``, ``kube-apiserver``, ``kube-controller-manager``, ``kube-scheduler``,
+        ``kwok``) by its PID: TERM (KILL after 15 s), or KILL at once. Its ports, data dir and argv stay
+        recorded, so ``start_component`` brings back the same thing."""
+        _, p = self._proc(name)
+        if kill and self._alive(p):
+            try:
+                os.kill(p["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._stop([p])
+
+    def start_component(self, name: str, timeout: float = 120) -> float:
+        """Start a component stopped by ``stop_component`` again with the same argv (same ports, same etcd
+        data), and wait until it serves: etcd's /health, the API server's /readyz (after etcd: the API
+        server's own readiness covers its etcd connection). Returns the seconds it took."""
+        st, p = self._proc(name)
+        t0 = time.monotonic()
+        if not self._alive(p):
+            if "argv" not in p:
+                raise RuntimeError(f"{name} was started by an older harness (no argv recorded); restart the cluster")
+            log = open(self.run_dir / "logs" / f"{name}.log", "ab")
+            proc = subprocess.Popen(p["argv"], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, cwd=self.run_dir)
+            log.close()
+            p["pid"] = proc.pid
+            self._save(st)
+        if name == "etcd":
+            url = next(a.split("=", 1)[1] for a in p["argv"] if a.startswith("--listen-client-urls="))
+            self._wait("etcd /health", lambda: self._etcd_healthy(url), timeout, st)
+        if name in ("etcd", "kube-apiserver"):
+            self._wait("kube-apiserver /readyz", lambda: self._readyz(st), timeout, st)
+        return time.monotonic() - t0
+
+    @staticmethod
+    def _etcd_healthy(url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url.split(",")[0] + "/health", timeout=3) as r:
+                return json.loads(r.read()).get("health") == "true"
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
 
     def _stop(self, procs: list[dict]) -> None:
         """TERM, then KILL after 15 s; by PID, checked against argv0 first."""
