@@ -96,7 +96,7 @@ class Elector:
         self.api = k8s.CoordinationV1Api(api_client)
         self.clock = clock
         self._lease: Any = None          # the last Lease read or written (its resourceVersion is the guard)
-        self._observed: tuple | None = None  # (holder, renewTime) last seen, and when (own clock)
+        self._observed: tuple | None = None  # (holder, renewTime, resourceVersion) last seen, and when
         self._observed_at = 0.0
         self.is_leader = False
         self.holder: str | None = None   # last holder seen (for logs)
@@ -109,8 +109,8 @@ class Elector:
     def _spec(self, acquire_time: dt.datetime | None, transitions: int) -> "k8s.V1LeaseSpec":
         now = _now()
         return self.k8s.V1LeaseSpec(holder_identity=self.config.identity,
-                               lease_duration_seconds=int(round(self.config.lease_duration)),
-                               acquire_time=acquire_time or now, renew_time=now, lease_transitions=transitions)
+                                    lease_duration_seconds=int(round(self.config.lease_duration)),
+                                    acquire_time=acquire_time or now, renew_time=now, lease_transitions=transitions)
 
     def _observe(self, lease: Any) -> None:
         spec = lease.spec or self.k8s.V1LeaseSpec()
@@ -139,7 +139,7 @@ class Elector:
                 if exc.status != 404:
                     raise
                 body = self.k8s.V1Lease(metadata=self.k8s.V1ObjectMeta(name=c.name, namespace=c.namespace),
-                                   spec=self._spec(None, 0))
+                                        spec=self._spec(None, 0))
                 try:
                     self._lease = self.api.create_namespaced_lease(c.namespace, body, _request_timeout=self.timeout)
                 except ApiException as exc2:
@@ -176,25 +176,38 @@ class Elector:
     def _write(self, lease: Any, spec: "k8s.V1LeaseSpec") -> bool:
         c = self.config
         body = self.k8s.V1Lease(metadata=self.k8s.V1ObjectMeta(name=c.name, namespace=c.namespace,
-                                                     resource_version=lease.metadata.resource_version),
-                           spec=spec)
+                                                               resource_version=lease.metadata.resource_version),
+                                spec=spec)
         self._lease = self.api.replace_namespaced_lease(c.name, c.namespace, body, _request_timeout=self.timeout)
         self._observe(self._lease)
         self.is_leader = True
         return True
 
     def release(self) -> bool:
-        """Give the Lease up (graceful stop): empty holder, 1 s duration; a follower takes it on its next poll."""
+        """Give the Lease up (graceful stop): empty holder, 1 s duration; a follower takes it on its next poll.
+        A conflict (a renewal that was in flight landed first) is retried once from a fresh read, only while
+        the Lease is still ours."""
+        from kubernetes.client.rest import ApiException
+
         if not self.is_leader or self._lease is None:
             return False
         c = self.config
-        spec = self.k8s.V1LeaseSpec(holder_identity=None, lease_duration_seconds=1, acquire_time=_now(),
-                               renew_time=_now(), lease_transitions=self._lease.spec.lease_transitions or 0)
-        body = self.k8s.V1Lease(metadata=self.k8s.V1ObjectMeta(name=c.name, namespace=c.namespace,
-                                                     resource_version=self._lease.metadata.resource_version),
-                           spec=spec)
+        lease = self._lease
         try:
-            self.api.replace_namespaced_lease(c.name, c.namespace, body, _request_timeout=self.timeout)
+            for attempt in (1, 2):
+                spec = self.k8s.V1LeaseSpec(holder_identity=None, lease_duration_seconds=1, acquire_time=_now(),
+                                            renew_time=_now(), lease_transitions=lease.spec.lease_transitions or 0)
+                body = self.k8s.V1Lease(metadata=self.k8s.V1ObjectMeta(
+                    name=c.name, namespace=c.namespace, resource_version=lease.metadata.resource_version), spec=spec)
+                try:
+                    self.api.replace_namespaced_lease(c.name, c.namespace, body, _request_timeout=self.timeout)
+                    break
+                except ApiException as exc:
+                    if exc.status != 409 or attempt == 2:
+                        raise
+                    lease = self.api.read_namespaced_lease(c.name, c.namespace, _request_timeout=self.timeout)
+                    if (lease.spec and lease.spec.holder_identity) != c.identity:
+                        return False  # not ours any more: nothing to release
         except Exception as exc:  # noqa: BLE001 - it then expires after lease_duration
             log.warning("could not release lease %s/%s: %s", c.namespace, c.name, exc)
             return False

@@ -125,7 +125,7 @@ def test_api_errors_are_a_failed_attempt_not_an_exception():
 
 
 async def test_keep_returns_after_the_renew_deadline_without_a_renewal():
-    store, clock = FakeLeases(), Clock()
+    store = FakeLeases()
     import time
 
     a = Elector(k8s.ApiClient(), ElectionConfig(name="op", namespace="ns", identity="a", lease_duration=0.6,
@@ -159,3 +159,14 @@ def test_settings_are_checked():
         ElectionConfig(lease_duration=5, renew_deadline=5, retry_period=2).validate()
     with pytest.raises(ValueError):
         ElectionConfig(lease_duration=10, renew_deadline=2, retry_period=2).validate()
+
+
+def test_release_after_a_renewal_it_did_not_see_retries_from_a_fresh_read():
+    store, clock = FakeLeases(), Clock()
+    a = elector(store, clock, "a")
+    assert a.try_acquire_or_renew()
+    stale = copy.deepcopy(a._lease)
+    assert a.try_acquire_or_renew()      # a renewal the releasing code path has not seen
+    a._lease = stale
+    assert a.release()
+    assert store.lease.spec.holder_identity is None
