@@ -123,3 +123,40 @@ def test_at_rest_the_operator_sends_next_to_nothing(env):
     # drift still comes back through the watch: a Service deleted by hand is restored
     core.delete_namespaced_service("svc-3", NS)
     wait_for("Service restored", lambda: core.read_namespaced_service("svc-3", NS), 30)
+
+
+def test_expired_watch_relists_without_losing_a_deletion(kube, env):
+    """A watch resumed from a resourceVersion the API server no longer has gets 410 Gone; the informer lists
+    again and delivers what happened meanwhile, here a deletion no watch saw. (On a cluster younger than the
+    API server's 5-minute etcd compaction the old revision is still there and the watch itself replays the
+    deletion; either way the deletion arrives. The 410 path is also unit-tested, deterministically.)"""
+    from kubernetes.client.rest import ApiException
+
+    from embedops_operator import apply as A
+    from embedops_operator import watchcache as W
+
+    core, sel = env["core"], "embedops-it/rv-test=1"
+    for name in ("rv-keep", "rv-gone"):
+        core.create_namespaced_config_map(NS, {"metadata": {"name": name, "labels": {"embedops-it/rv-test": "1"}}})
+    k = A.Kube(kube.api_client())
+    events: list = []
+    inf = W.Informer("cm", k.lister("v1", "ConfigMap", NS, sel), k.watcher("v1", "ConfigMap", NS, sel),
+                     on_event=lambda t, old, new: events.append((t, (new or old)["metadata"]["name"])),
+                     watch_timeout=3)
+    inf._list()
+    assert sorted(events) == [("ADDED", "rv-gone"), ("ADDED", "rv-keep")]
+    core.delete_namespaced_config_map("rv-gone", NS)  # while no watch is open
+    inf._rv = "2"  # compacted away on a cluster older than the API server's 5-minute compaction
+    relisted = False
+    try:
+        inf._watch()  # a younger cluster's etcd still has it: the watch replays the history, deletion included
+    except W.Gone:  # a 410 ERROR event in the stream
+        relisted = True
+    except ApiException as exc:  # or the watch request itself answered 410
+        assert exc.status == 410, exc
+        relisted = True
+    if relisted:
+        inf._list()
+    assert ("DELETED", "rv-gone") in events, (relisted, events)
+    assert [key[1] for key in inf.keys()] == ["rv-keep"]
+    assert k.requests["WATCH"] == 1 and k.requests["LIST"] == (2 if relisted else 1)
