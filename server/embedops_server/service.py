@@ -66,7 +66,8 @@ def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
 
         # one forward at a time here (HybridBackend.parallel_forwards is 1): no side-by-side ORT session
         short = OrtBackend(info, threads=threads, cache=s.onnx_cache, tokenizer=tokenizer, parallel=False)
-        return HybridBackend(short, TorchBackend(info, dtype="float32", device="cpu", threads=threads))
+        return HybridBackend(short, TorchBackend(info, dtype="float32", device="cpu", threads=threads,
+                                                 tokenizer=tokenizer))
     if kind in ("onnxruntime", "ort", "onnx"):
         if s.dtype not in (None, "float32"):
             raise ModelError("the ONNX Runtime backend runs float32 (or --quantize int8)")
@@ -89,7 +90,8 @@ def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
     from .backends.torch_backend import TorchBackend
 
     dtype = s.dtype or ("float16" if device.startswith("cuda") else "float32")
-    return TorchBackend(info, dtype=dtype, device=device, threads=threads if device == "cpu" else None)
+    return TorchBackend(info, dtype=dtype, device=device, threads=threads if device == "cpu" else None,
+                        tokenizer=tokenizer)
 
 
 def forward_tokens(s: Settings, backend: Backend) -> int | None:

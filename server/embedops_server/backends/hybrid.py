@@ -24,6 +24,7 @@ class HybridBackend(Backend):
         self.pooling = short.pooling
         self.pad_id = short.pad_id
         self.hidden_size = short.hidden_size
+        self.heads = getattr(short, "heads", None)
         self.dtype = "float32"
         self.device = "cpu"
         self.preferred_batch_tokens = long.preferred_batch_tokens

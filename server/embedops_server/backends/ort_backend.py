@@ -11,6 +11,7 @@ from ..core.engine import Batch, BatchOutput
 from ..core.model_info import EMBEDDER, RERANKER, SPARSE, ModelInfo
 from .base import Backend, pool_numpy, split_tokens
 from .dense import apply_numpy, load_dense
+from .m3 import load_heads, numpy_heads
 from .onnx_export import cache_dir, model_file, quantize_int8
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class OrtBackend(Backend):
         self.dense = load_dense(info.dense) if info.dense else []  # sentence-transformers Dense projections
         if self.dense:
             self.hidden_size = self.dense[-1].out_features
+        # bge-m3 heads, applied in numpy (float32, also under --quantize int8) to the graph's token states
+        self.heads = load_heads(info, tokenizer, self.hidden_size)
 
     def _session(self, path: Path, spin: bool | None = None, threads: int | None = None):
         ort = self._ort
@@ -138,7 +141,10 @@ class OrtBackend(Backend):
         if self.dense:
             pooled = apply_numpy(pooled.astype(np.float32, copy=False), self.dense)
         tokens = split_tokens(out, batch.lengths, len(batch.lengths)) if batch.need_tokens else None
-        return BatchOutput(np.ascontiguousarray(pooled, dtype=np.float32), tokens)
+        lexical = colbert = None
+        if batch.heads and self.heads is not None:
+            lexical, colbert = numpy_heads(self.heads, batch, out.astype(np.float32, copy=False))
+        return BatchOutput(np.ascontiguousarray(pooled, dtype=np.float32), tokens, lexical, colbert)
 
     def _compare(self, a, b, tokenizer) -> float:
         """int8 vs float32 on fixed inputs. Embeddings and SPLADE vectors: the lowest per-row cosine. Scores

@@ -10,6 +10,7 @@ from ..core.engine import Batch, BatchOutput
 from ..core.model_info import CLASSIFIER, EMBEDDER, RERANKER, SPARSE, ModelInfo
 from .base import Backend
 from .dense import TorchDense, load_dense
+from .m3 import colbert_rows, lexical_weights, load_heads
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ def graph_shape(rows: int, cols: int) -> tuple[int, int] | None:
 class TorchBackend(Backend):
     name = "torch"
 
-    def __init__(self, info: ModelInfo, dtype: str = "float32", device: str = "cpu", threads: int | None = None):
+    def __init__(self, info: ModelInfo, dtype: str = "float32", device: str = "cpu", threads: int | None = None,
+                 tokenizer=None):
         import torch
 
         if dtype not in _DTYPES:
@@ -92,6 +94,14 @@ class TorchBackend(Backend):
             layers = load_dense(info.dense)
             self.dense = TorchDense(layers, device)
             self.hidden_size = layers[-1].out_features
+        # bge-m3 heads (sparse_linear.pt, colbert_linear.pt), float32 on the model's device
+        self.heads = load_heads(info, tokenizer, self.hidden_size)
+        self._head_w = {}
+        if self.heads is not None:
+            for name, layer in (("sparse", self.heads.sparse), ("colbert", self.heads.colbert)):
+                if layer is not None:
+                    self._head_w[name] = (torch.from_numpy(layer.weight).to(device),
+                                          None if layer.bias is None else torch.from_numpy(layer.bias).to(device))
         # CPU: tokens/s of MiniLM-L6 at 256-token rows (2 threads): 1 row 5700, 4 rows 7600, 8 rows 7950,
         # 16-32 rows 7400-7600; so ~2048 padded tokens per forward lose nothing and keep latency bounded.
         self.preferred_batch_tokens = 2048 if device == "cpu" else None
@@ -101,8 +111,10 @@ class TorchBackend(Backend):
         if device.startswith("cuda") and os.environ.get("EMBEDOPS_CUDA_GRAPHS", "1") != "0":
             self._graphs = CudaGraphs(self)
 
-    def _compute(self, ids, mask, tti, lengths):
-        """Tensors in, the pooled / logits tensor out (float32): the part captured in a CUDA graph."""
+    def _compute(self, ids, mask, tti, lengths, heads: bool = False):
+        """Tensors in, the pooled / logits tensor out (float32): the part captured in a CUDA graph. With
+        ``heads`` (a bge-m3 model): (pooled, token weights or None, ColBERT vectors or None), every head the
+        model has."""
         torch = self.torch
         kw = {"input_ids": ids, "attention_mask": mask}
         if self._uses_tti:
@@ -112,7 +124,31 @@ class TorchBackend(Backend):
             return out.logits.float()
         if self.task == SPARSE:
             return (torch.log1p(torch.relu(out.logits.float())) * mask[..., None]).amax(1)
-        return self._pool(out.last_hidden_state, mask, lengths)
+        pooled = self._pool(out.last_hidden_state, mask, lengths)
+        if heads:
+            return (pooled, *self._heads(out.last_hidden_state, self._head_w))
+        return pooled
+
+    def _heads(self, hidden, which: dict):
+        """bge-m3 heads over the token states in float32: ReLU'd token weights [B, L] and ColBERT vectors
+        [B, L-1, d] (over the states after the first), None for a head not in ``which``."""
+        f = self.torch.nn.functional
+        tw = cv = None
+        if "sparse" in which:
+            tw = self.torch.relu(f.linear(hidden.float(), *which["sparse"])).squeeze(-1)
+        if "colbert" in which:
+            cv = f.linear(hidden[:, 1:].float(), *which["colbert"])
+        return tw, cv
+
+    def _head_output(self, batch: Batch, pooled, tw, cv) -> BatchOutput:
+        """Device tensors -> numpy rows (lexical weights as (ids, weights), ColBERT vectors per row)."""
+        n = len(batch.lengths)
+        lexical = colbert = None
+        if tw is not None and "sparse" in batch.heads:
+            lexical = lexical_weights(batch.input_ids, tw.cpu().numpy(), batch.lengths, n, self.heads.unused_ids)
+        if cv is not None and "colbert" in batch.heads:
+            colbert = colbert_rows(cv.cpu().numpy(), batch.lengths, n)
+        return BatchOutput(pooled.cpu().numpy(), lexical=lexical, colbert=colbert)
 
     def _pool(self, hidden, mask, lengths):
         """Sentence vector in float32 (mean accumulates in float32 even for half-precision models), then the
@@ -173,6 +209,9 @@ class TorchBackend(Backend):
                 return BatchOutput(act.amax(1).cpu().numpy())
             hidden = out.last_hidden_state
             lengths = torch.from_numpy(batch.lengths).to(self.device) if self.pooling == "last-token" else None
+            if batch.heads and self.heads is not None:
+                want = {k: v for k, v in self._head_w.items() if k in batch.heads}
+                return self._head_output(batch, self._pool(hidden, mask, lengths), *self._heads(hidden, want))
             pooled_np = self._pool(hidden, mask, lengths).cpu().numpy()
             tokens = None
             if batch.need_tokens:
@@ -199,6 +238,9 @@ class CudaGraphs:
         shape = graph_shape(*batch.input_ids.shape)
         if not self.enabled or shape is None:
             return None
+        heads = bool(batch.heads) and self.b.heads is not None
+        if heads:  # a graph that also computes every bge-m3 head the model has
+            shape = (*shape, True)
         g = self.graphs.get(shape)
         if g is None:
             if len(self.graphs) >= GRAPH_MAX_COUNT:
@@ -215,11 +257,14 @@ class CudaGraphs:
             for t, a in zip(static_in, (batch.input_ids, batch.attention_mask, batch.token_type_ids, batch.lengths)):
                 t.copy_(torch.from_numpy(a), non_blocking=True)
             graph.replay()
+            if heads:
+                return self.b._head_output(batch, *static_out)
             return BatchOutput(static_out.cpu().numpy())
 
-    def _capture(self, shape: tuple[int, int]):
+    def _capture(self, shape: tuple):
         torch = self.torch
-        rows, cols = shape
+        rows, cols = shape[:2]
+        heads = len(shape) > 2
         dev = self.b.device
         with torch.inference_mode():
             ids = torch.zeros((rows, cols), dtype=torch.long, device=dev)
@@ -230,14 +275,14 @@ class CudaGraphs:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up outside the graph (lazy inits, autotuning)
                 for _ in range(2):
-                    self.b._compute(ids, mask, tti, lengths)
+                    self.b._compute(ids, mask, tti, lengths, heads)
             torch.cuda.current_stream().wait_stream(side)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self.b._compute(ids, mask, tti, lengths)
-        log.info("captured a CUDA graph for %d x %d", rows, cols)
+                out = self.b._compute(ids, mask, tti, lengths, heads)
+        log.info("captured a CUDA graph for %d x %d%s", rows, cols, " with the bge-m3 heads" if heads else "")
         return graph, (ids, mask, tti, lengths), out
 
     def capture_small(self, max_cols: int) -> None:

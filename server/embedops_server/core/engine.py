@@ -52,22 +52,35 @@ class Batch:
     # Another forward runs (or is about to start) beside this one: a backend with parallel_forwards > 1 then
     # runs it on its share of the cores rather than all of them.
     parallel: bool = False
+    # bge-m3 heads some input of the batch asked for ("sparse", "colbert"): computed from the same forward
+    heads: frozenset = frozenset()
 
 
 @dataclass
 class BatchOutput:
     pooled: np.ndarray | None  # [B, D]: pooled embedding, dense SPLADE vector or classifier logits
     tokens: list[np.ndarray] | None = None  # per-row unpadded hidden states (embed_all)
+    lexical: list[tuple[np.ndarray, np.ndarray]] | None = None  # per row (token ids, weights): bge-m3 sparse
+    colbert: list[np.ndarray] | None = None  # per row [tokens - 1, d]: bge-m3 ColBERT vectors, not normalized
+
+
+def multi_result(out: BatchOutput, r: int, outputs: tuple[str, ...]) -> dict:
+    """Row r's outputs by name for a multi-output request ("dense", "sparse", "colbert")."""
+    res = {}
+    for o in outputs:
+        res[o] = out.pooled[r] if o == "dense" else (out.lexical if o == "sparse" else out.colbert)[r]
+    return res
 
 
 class Request:
     """One HTTP request's worth of inputs travelling through the engine."""
     __slots__ = (
         "future", "loop", "n", "remaining", "results", "need_tokens", "cancelled", "done",
-        "t_start", "t_tokenized", "t_queue", "t_infer", "tokens",
+        "t_start", "t_tokenized", "t_queue", "t_infer", "tokens", "outputs",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, n: int, need_tokens: bool):
+    def __init__(self, loop: asyncio.AbstractEventLoop, n: int, need_tokens: bool,
+                 outputs: tuple[str, ...] | None = None):
         self.loop = loop
         self.future: asyncio.Future = loop.create_future()
         self.n = n
@@ -81,6 +94,8 @@ class Request:
         self.t_queue = 0.0  # summed over inputs (divided by n for the per-input average)
         self.t_infer = 0.0
         self.tokens = 0
+        # multi-output request (bge-m3): each result is a dict of these outputs; None: the pooled vector
+        self.outputs = outputs
 
 
 @dataclass
@@ -135,10 +150,13 @@ class Engine:
         rate = self._throughput or 1.0
         return max(1, min(60, math.ceil(self.in_flight / rate)))
 
-    def submit(self, texts: Sequence, truncate: bool, direction: str, need_tokens: bool = False) -> Request:
-        """Queue admitted inputs; await `request.future`. Caller must have called admit(len(texts))."""
+    def submit(self, texts: Sequence, truncate: bool, direction: str, need_tokens: bool = False,
+               outputs: Sequence[str] | None = None) -> Request:
+        """Queue admitted inputs; await `request.future`. Caller must have called admit(len(texts)).
+        ``outputs``: a multi-output request (any of "dense", "sparse", "colbert", which the backend's model must
+        have); each result is then a dict of those, all from one forward."""
         loop = asyncio.get_running_loop()
-        req = Request(loop, len(texts), need_tokens)
+        req = Request(loop, len(texts), need_tokens, tuple(outputs) if outputs else None)
         n = len(texts)
         with self._cv:
             self._tokenizing += n
@@ -267,7 +285,8 @@ class Engine:
         if self.backend.pad_id:
             ids[mask == 0] = self.backend.pad_id
         need_tokens = any(e.request.need_tokens for e in entries)
-        return Batch(ids, mask, tti, lengths, need_tokens)
+        heads = frozenset(o for e in entries if e.request.outputs for o in e.request.outputs if o != "dense")
+        return Batch(ids, mask, tti, lengths, need_tokens, heads=heads)
 
     # ---- inference thread --------------------------------------------------------------------
     def _inference(self) -> None:
@@ -293,7 +312,10 @@ class Engine:
         finished = []
         for r, e in enumerate(entries):
             req = e.request
-            req.results[e.index] = out.tokens[r] if (req.need_tokens and out.tokens is not None) else out.pooled[r]
+            if req.outputs:
+                req.results[e.index] = multi_result(out, r, req.outputs)
+            else:
+                req.results[e.index] = out.tokens[r] if (req.need_tokens and out.tokens is not None) else out.pooled[r]
             req.t_queue += t0 - (req.t_tokenized or t0)
             req.t_infer += t1 - t0
             req.remaining -= 1

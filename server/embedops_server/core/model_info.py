@@ -12,6 +12,13 @@ log = logging.getLogger(__name__)
 EMBEDDER, SPARSE, RERANKER, CLASSIFIER = "embedding", "sparse", "reranker", "classifier"
 POOLINGS = ("cls", "mean", "splade", "last-token")
 
+# bge-m3's extra heads (FlagEmbedding's layout): a linear layer per output next to the transformer's weights.
+# "sparse": hidden -> 1, ReLU, max per token id (lexical weights); "colbert": hidden -> d over the token states
+# after the first (multi-vector). An embedder without them has only the "dense" output.
+DENSE, LEXICAL, COLBERT = "dense", "sparse", "colbert"
+HEAD_FILES = {LEXICAL: "sparse_linear.pt", COLBERT: "colbert_linear.pt"}
+OUTPUTS = (DENSE, LEXICAL, COLBERT)
+
 
 class ModelError(RuntimeError):
     """The model folder cannot be served (missing files, unsupported combination)."""
@@ -50,6 +57,15 @@ class ModelInfo:
     has_torch_weights: bool = False
     # sentence-transformers Dense modules applied after pooling, in order (folders like 2_Dense)
     dense: tuple[Path, ...] = ()
+    # bge-m3 heads found in the folder: output name -> weight file (see HEAD_FILES)
+    heads: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def outputs(self) -> list[str]:
+        """The multi-output routes' outputs this model can give (embedders only; [] for other tasks)."""
+        if self.task != EMBEDDER:
+            return []
+        return [DENSE] + [o for o in (LEXICAL, COLBERT) if o in self.heads]
 
     @property
     def architecture(self) -> str:
@@ -205,11 +221,39 @@ def load_model_info(path: str | Path, pooling: str | None = None, revision: str 
     st_cfg = _read_json(path / "config_sentence_transformers.json")
     prompts = {k: v for k, v in (st_cfg.get("prompts") or {}).items() if isinstance(v, str)}
     max_len = _max_input_length(path, config)
+    heads = {o: path / f for o, f in HEAD_FILES.items() if (path / f).is_file()} if task == EMBEDDER else {}
+    if heads and dense:
+        raise ModelError(f"{path}: bge-m3 heads ({', '.join(f.name for f in heads.values())}) together with "
+                         "sentence-transformers Dense modules are not supported")
     return ModelInfo(
         path=path, task=task, pooling=pool, normalize=normalize, max_input_length=max_len,
         config=config, prompts=prompts, default_prompt_name=st_cfg.get("default_prompt_name"),
-        id2label=id2label, onnx_path=onnx_path, has_torch_weights=has_torch, dense=dense,
+        id2label=id2label, onnx_path=onnx_path, has_torch_weights=has_torch, dense=dense, heads=heads,
     )
+
+
+# FlagEmbedding drops these special tokens from bge-m3's lexical weights (its tokenizer's special_tokens_map).
+_UNUSED_SPECIALS = ("cls_token", "eos_token", "pad_token", "unk_token")
+
+
+def unused_token_ids(info: ModelInfo, tokenizer) -> list[int]:
+    """Token ids that never get a lexical weight: the tokenizer's cls, eos, pad and unk tokens, as named in
+    special_tokens_map.json (else tokenizer_config.json), else the config's bos/eos/pad ids."""
+    names: dict = {}
+    for f in ("special_tokens_map.json", "tokenizer_config.json"):
+        names = {k: v for k, v in _read_json(info.path / f).items() if k in _UNUSED_SPECIALS and v}
+        if names:
+            break
+    ids = set()
+    for v in names.values():
+        tok = v.get("content") if isinstance(v, dict) else v
+        tid = tokenizer.token_to_id(tok) if isinstance(tok, str) else None
+        if tid is not None:
+            ids.add(int(tid))
+    if not names:
+        ids = {int(info.config[k]) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+               if info.config.get(k) is not None}
+    return sorted(ids)
 
 
 def _max_input_length(path: Path, config: dict) -> int:

@@ -14,7 +14,7 @@ from ..core.engine import EngineStats
 from ..core.model_info import ModelError
 from ..service import build_service
 from ..settings import Settings
-from . import errors, routes_compat, routes_tei
+from . import errors, routes_compat, routes_m3, routes_tei
 from .errors import error_response
 from .middleware import GuardMiddleware
 from .routes_tei import _json
@@ -70,6 +70,7 @@ def create_app(settings: Settings, service=None,
                   description="TEI-compatible embeddings, rerank, sparse and classification server")
     app.state.embedops = st
     errors.install(app)
+    app.include_router(routes_m3.router)  # first: its /embed_sparse also serves bge-m3, else defers to TEI's
     app.include_router(routes_tei.router)
     app.include_router(routes_compat.router)
 
@@ -127,7 +128,7 @@ def create_app(settings: Settings, service=None,
             "parallel_forwards": svc.engine.workers,
             "max_client_batch_size": s.max_client_batch_size, "auto_truncate": s.auto_truncate,
             "tokenization_workers": len(svc.tokenizers._threads), "version": __version__, "sha": None,
-            "docker_label": None, "prompts": sorted(i.prompts),
+            "docker_label": None, "prompts": sorted(i.prompts), **routes_m3.m3_info(svc),
         })
 
     outer = GuardMiddleware(app, settings.payload_limit, settings.api_key)

@@ -1,0 +1,81 @@
+"""FlagEmbedding's BGEM3FlagModel in a virtual environment of its own (the reference for bge-m3's dense, sparse
+and ColBERT outputs; the parity tests and the bench's inline target use it).
+
+PyPI FlagEmbedding 1.4.2 imports a module transformers 5 removed, so the venv has transformers<5 (and its own
+huggingface_hub, tokenizers, datasets). torch is not downloaded again: a .pth file appends the main venv's
+site-packages after the side venv's own, so the side venv's transformers wins and torch, numpy, ... come from
+the main venv (checked at creation: transformers' version and torch's path). Created once, cached under
+~/.cache/embedops (``EMBEDOPS_FLAG_VENV`` overrides); a marker file records success.
+
+``encode()`` runs ``bench/flagembedding_runner.py`` in that venv as a subprocess; results come back as .npz.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+FLAG_VERSION = "1.4.2"
+CACHE = Path(os.environ.get("EMBEDOPS_CACHE") or Path.home() / ".cache" / "embedops")
+VENV = Path(os.environ.get("EMBEDOPS_FLAG_VENV", CACHE / f"venv-flagembedding-{FLAG_VERSION}"))
+RUNNER = Path(__file__).with_name("flagembedding_runner.py")
+# What FlagEmbedding's package import needs beyond the main venv (it imports datasets and peft at import).
+REQUIREMENTS = ["transformers>=4.44.2,<5", "huggingface_hub<1", "datasets"]
+NO_DEPS = [f"FlagEmbedding=={FLAG_VERSION}", "peft", "accelerate"]
+
+
+def ensure_venv(log=print) -> Path:
+    """The side venv's python (created on first use, a minute or two; then reused)."""
+    py = VENV / "bin" / "python"
+    marker = VENV / f".embedops-ok-{FLAG_VERSION}"
+    if marker.exists() and py.exists():
+        return py
+    log(f"creating {VENV} with FlagEmbedding=={FLAG_VERSION} and transformers<5 (one-off)")
+    if not py.exists():
+        base = shutil.which("python3.11") or sys.executable
+        subprocess.run([base, "-m", "venv", str(VENV)], check=True)
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    # "zz-": .pth files are processed in name order; its path goes after the side venv's own site-packages.
+    Path(site, "zz-embedops-main-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run(pip + REQUIREMENTS, check=True)
+    subprocess.run(pip + ["--no-deps"] + NO_DEPS, check=True)
+    check = ("import transformers, torch, sys; from FlagEmbedding import BGEM3FlagModel; "
+             "assert transformers.__version__.startswith('4.'), transformers.__version__; "
+             f"assert torch.__file__.startswith({sysconfig.get_paths()['purelib']!r}), torch.__file__; "
+             "print(transformers.__version__, torch.__version__)")
+    subprocess.run([str(py), "-c", check], check=True)
+    marker.write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    return py
+
+
+def encode(model_dir: Path | str, texts: list[str], *, max_length: int = 512, batch_size: int = 32,
+           timing_rounds: int = 0, threads: int | None = None) -> dict:
+    """BGEM3FlagModel(model_dir, float32, CPU).encode(texts, dense + sparse + ColBERT).
+
+    Returns {"dense": [N, D], "sparse": [{token id: weight}], "colbert": [[n_i, d]]}, plus "seconds" (one
+    full encode per round, after one warm-up) when ``timing_rounds`` > 0."""
+    py = ensure_venv()
+    with tempfile.TemporaryDirectory() as tmp:
+        req = Path(tmp) / "request.json"
+        req.write_text(json.dumps({"model": str(model_dir), "texts": texts, "max_length": max_length,
+                                   "batch_size": batch_size, "timing_rounds": timing_rounds}))
+        env = dict(os.environ)
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        env.pop("PYTHONPATH", None)
+        subprocess.run([str(py), str(RUNNER), str(req), tmp], check=True, env=env)
+        z = np.load(Path(tmp) / "out.npz")
+        meta = json.loads((Path(tmp) / "out.json").read_text())
+        out = {"dense": z["dense"], "sparse": [{int(k): float(v) for k, v in d.items()} for d in meta["sparse"]],
+               "colbert": [z[f"colbert_{i}"] for i in range(len(texts))], "seconds": meta.get("seconds", [])}
+    return out
