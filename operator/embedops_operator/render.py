@@ -40,6 +40,25 @@ ROUTE_PATHS = {
     "rerank": [("Exact", "/rerank"), ("Exact", "/v1/rerank")],
     "classify": [("Exact", "/predict")],
 }
+# model.outputs of an embed service (bge-m3 layout): the routes each output adds.
+OUTPUT_PATHS = {
+    "dense": [("PathPrefix", "/v1/embeddings"), ("Exact", "/embed"), ("Exact", "/embed_all")],
+    "sparse": [("Exact", "/embed_sparse")],
+    "colbert": [("Exact", "/embed_colbert")],
+}
+
+
+def route_paths(spec: S.EmbeddingServiceSpec) -> list[tuple[str, str]]:
+    """The HTTPRoute's (match type, path) pairs: by task, and for an embed service with model.outputs by output
+    (plus /embed_hybrid when it has two or more, and /v1/models for OpenAI clients' discovery)."""
+    task = detect_task(spec.model)
+    outputs = spec.model.outputs
+    if task != "embed" or not outputs:
+        return ROUTE_PATHS[task]
+    paths = [p for o in ("dense", "sparse", "colbert") if o in outputs for p in OUTPUT_PATHS[o]]
+    if len(set(outputs)) > 1:
+        paths.append(("Exact", "/embed_hybrid"))
+    return paths + [("PathPrefix", "/v1/models")]
 
 
 @dataclass(frozen=True)
@@ -408,7 +427,7 @@ def http_route(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dict | N
     assert gw is not None
     prefix = gw.path_prefix
     rules = []
-    for kind, path in ROUTE_PATHS[detect_task(spec.model)]:
+    for kind, path in route_paths(spec):
         rule: dict[str, Any] = {"matches": [{"path": {"type": kind, "value": prefix + path}}]}
         if prefix:
             rule["filters"] = [{"type": "URLRewrite", "urlRewrite": {"path": (

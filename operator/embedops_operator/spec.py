@@ -55,6 +55,10 @@ NFD_CPUID = {
 InstructionSet = Literal["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16",
                          "amx_int8"]
 Task = Literal["embed", "rerank", "classify", "sparse"]
+# bge-m3-layout embedders (sparse_linear.pt / colbert_linear.pt beside the weights): the server's outputs.
+Output = Literal["dense", "sparse", "colbert"]
+# Ids that render.detect_task maps to another task than embed (kept in step with it; a unit test checks both).
+NON_EMBED_ID_PATTERN = "(?i)(rerank|cross-encoder|ms-marco|splade)"
 
 FreeObject = Annotated[dict[str, Any], WithJsonSchema(
     {"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
@@ -129,6 +133,10 @@ class ModelSpec(Model):
                 "model.pooling does not apply to rerank models (they use their classifier head)"),
             cel("!has(self.pooling) || self.pooling != 'splade' || !has(self.task) || self.task == 'sparse'",
                 "model.pooling splade requires task sparse"),
+            cel("!has(self.outputs) || (has(self.task) ? self.task == 'embed' : "
+                f"!self.id.matches('{NON_EMBED_ID_PATTERN}'))",
+                "model.outputs apply to task embed only (a bge-m3-layout embedder); rerank, classify and sparse "
+                "(SPLADE) models have no dense/sparse/colbert outputs"),
         ]})
     id: str = Field(min_length=1, max_length=512,
                     description="Hugging Face model id (e.g. BAAI/bge-m3) or a local path inside the pod.")
@@ -143,6 +151,12 @@ class ModelSpec(Model):
                           "throughput on AVX-512 VNNI cores.")
     served_model_name: str | None = Field(None, description="Model name reported on OpenAI routes.")
     max_input_length: int | None = Field(None, ge=1, description="Longest input (tokens) the service must accept.")
+    outputs: list[Output] | None = Field(
+        None, min_length=1, json_schema_extra={"x-kubernetes-list-type": "set"},
+        description="Task embed, a model in BAAI/bge-m3's layout (sparse_linear.pt / colbert_linear.pt): the outputs "
+                    "the gateway exposes. dense: /embed, /embed_all, /v1/embeddings; sparse: /embed_sparse (lexical "
+                    "weights); colbert: /embed_colbert; two or more: also /embed_hybrid (several from one forward). "
+                    "Default: dense only.")
     prompts: Prompts | None = None
     source: ModelSource | None = Field(None, description="Where the weights come from (default: downloaded by the server at start).")
 

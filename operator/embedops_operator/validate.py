@@ -76,6 +76,13 @@ def _check(value: Any, schema: dict, path: str, errors: list[str]) -> None:
             errors.append(f"{path}: should match '{schema['pattern']}'")
     if isinstance(value, list) and "minItems" in schema and len(value) < schema["minItems"]:
         errors.append(f"{path}: should have at least {schema['minItems']} items")
+    if isinstance(value, list) and schema.get("x-kubernetes-list-type") == "set":
+        seen = set()
+        for i, v in enumerate(value):
+            key = repr(v)
+            if key in seen:
+                errors.append(f"{path}[{i}]: Duplicate value: {v!r}")
+            seen.add(key)
     if isinstance(value, dict):
         for req in schema.get("required", []):
             if req not in value:
