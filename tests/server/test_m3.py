@@ -150,3 +150,35 @@ def test_head_files_read_without_torch(m3_dir, tmp_path):
     got = _read_torch_zip(half)
     assert np.array_equal(got["weight"], w.half().float().numpy())
     assert got["bias"].shape == (4,)
+
+
+def test_cuda_graph_compute_path_on_cpu(m3_dir):
+    """What a CUDA graph captures for a batch with heads (_compute(heads=True) -> _head_output) equals the eager
+    forward; run on CPU here (no GPU in CI), the capture itself is covered by the GPU profile."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from embedops_server.backends.torch_backend import TorchBackend
+    from embedops_server.core.engine import Batch
+    from embedops_server.core.model_info import load_model_info
+
+    info = load_model_info(m3_dir)
+    tok = Tokenizer.from_file(str(m3_dir / "tokenizer.json"))
+    be = TorchBackend(info, threads=1, tokenizer=tok)
+    encs = tok.encode_batch(TEXTS[:4])
+    L = max(len(e.ids) for e in encs)
+    ids = np.ones((4, L), np.int64)
+    mask = np.zeros_like(ids)
+    for i, e in enumerate(encs):
+        ids[i, : len(e.ids)], mask[i, : len(e.ids)] = e.ids, 1
+    batch = Batch(ids, mask, np.zeros_like(ids), mask.sum(1), heads=frozenset({"sparse", "colbert"}))
+    eager = be.forward(batch)
+    t = [torch.from_numpy(a) for a in (ids, mask, np.zeros_like(ids), mask.sum(1))]
+    with torch.inference_mode():
+        graphed = be._head_output(batch, *be._compute(*t, heads=True))
+    assert np.allclose(eager.pooled, graphed.pooled, atol=1e-6)
+    for (a, b), (c, d) in zip(eager.lexical, graphed.lexical):
+        assert np.array_equal(a, c) and np.allclose(b, d, atol=1e-6)
+    for a, b in zip(eager.colbert, graphed.colbert):
+        assert np.allclose(a, b, atol=1e-6)
+    assert all(len(c) == n - 1 for c, n in zip(eager.colbert, mask.sum(1)))

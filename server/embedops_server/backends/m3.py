@@ -7,8 +7,9 @@ What FlagEmbedding's BGEM3FlagModel computes, reimplemented here from its docume
 - ColBERT vectors: colbert_linear over the token states after the first (the CLS), one per remaining token
   (the final </s> included), L2-normalized (normalization is applied by the caller with `normalize`).
 
-The backends run the linear layers (torch on the model's device, numpy after ONNX Runtime); the per-row work
-below (max per id, splitting rows) is numpy on the inference thread.
+The backends run the linear layers (torch on the model's device; ONNX Runtime: a small session per head over the
+main graph's token states, see OrtHeads); the per-row work below (max per id, splitting rows) is numpy on the
+inference thread.
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def load_heads(info: ModelInfo, tokenizer, hidden_size: int) -> Heads | None:
 
 
 def numpy_heads(heads: Heads, batch, hidden: np.ndarray) -> tuple[list | None, list | None]:
-    """The heads a batch asked for, over float32 token states [B, L, H] (ONNX Runtime's output)."""
+    """The heads a batch asked for, over float32 token states [B, L, H], in numpy (reference; see OrtHeads)."""
     n = len(batch.lengths)
     lexical = colbert = None
     if "sparse" in batch.heads and heads.sparse is not None:
@@ -83,6 +84,60 @@ def numpy_heads(heads: Heads, batch, hidden: np.ndarray) -> tuple[list | None, l
     if "colbert" in batch.heads and heads.colbert is not None:
         colbert = colbert_rows(heads.colbert(np.ascontiguousarray(hidden[:, 1:])), batch.lengths, n)
     return lexical, colbert
+
+
+def head_onnx(layer: Linear, skip_first: bool, relu: bool) -> bytes:
+    """A one-layer ONNX graph: token states [B, L, H] -> [B, L(-1), out] (float32 weights, never quantized)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    hidden = layer.weight.shape[1]
+    nodes, x = [], "hidden"
+    inits = [numpy_helper.from_array(np.ascontiguousarray(layer.weight.T), "w")]
+    if skip_first:  # the states after the first (CLS) token
+        inits += [numpy_helper.from_array(np.array([v], np.int64), n) for n, v in
+                  (("one", 1), ("end", np.iinfo(np.int64).max), ("axis", 1))]
+        nodes.append(helper.make_node("Slice", ["hidden", "one", "end", "axis"], ["rest"]))
+        x = "rest"
+    nodes.append(helper.make_node("MatMul", [x, "w"], ["mm"]))
+    y = "mm"
+    if layer.bias is not None:
+        inits.append(numpy_helper.from_array(layer.bias, "b"))
+        nodes.append(helper.make_node("Add", ["mm", "b"], ["biased"]))
+        y = "biased"
+    nodes.append(helper.make_node("Relu" if relu else "Identity", [y], ["out"]))
+    graph = helper.make_graph(
+        nodes, "head", [helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["b", "s", hidden])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["b", "t", layer.out_features])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+class OrtHeads:
+    """The heads as small ONNX Runtime sessions run after the main graph, on its float32 token states.
+
+    Measured (bench/m3_ort_heads.py, docs/server.md) against the alternatives: numpy (OpenBLAS) after the graph
+    cost several times more than ONNX Runtime's MatMul, and exporting the heads into the model's graph costs the
+    same as these sessions when they are asked for but then runs them on every dense-only forward too, gets
+    them int8-quantized under --quantize int8, and needs our own export (a folder's own ONNX file could not have
+    them). Separate sessions: dense-only forwards pay nothing, the heads stay float32, any token-state graph works.
+    """
+
+    def __init__(self, heads: Heads, make_session):
+        self.heads = heads
+        self.sparse = make_session(head_onnx(heads.sparse, False, True)) if heads.sparse is not None else None
+        self.colbert = make_session(head_onnx(heads.colbert, True, False)) if heads.colbert is not None else None
+
+    def __call__(self, batch, hidden: np.ndarray) -> tuple[list | None, list | None]:
+        n = len(batch.lengths)
+        lexical = colbert = None
+        hidden = np.ascontiguousarray(hidden, dtype=np.float32)
+        if "sparse" in batch.heads and self.sparse is not None:
+            tw = self.sparse.run(None, {"hidden": hidden})[0][..., 0]
+            lexical = lexical_weights(batch.input_ids, tw, batch.lengths, n, self.heads.unused_ids)
+        if "colbert" in batch.heads and self.colbert is not None:
+            colbert = colbert_rows(self.colbert.run(None, {"hidden": hidden})[0], batch.lengths, n)
+        return lexical, colbert
 
 
 # ---- reading the .pt files (torch.save zip format) -------------------------------------------------------

@@ -11,7 +11,7 @@ from ..core.engine import Batch, BatchOutput
 from ..core.model_info import EMBEDDER, RERANKER, SPARSE, ModelInfo
 from .base import Backend, pool_numpy, split_tokens
 from .dense import apply_numpy, load_dense
-from .m3 import load_heads, numpy_heads
+from .m3 import OrtHeads, load_heads
 from .onnx_export import cache_dir, model_file, quantize_int8
 
 log = logging.getLogger(__name__)
@@ -94,10 +94,11 @@ class OrtBackend(Backend):
         self.dense = load_dense(info.dense) if info.dense else []  # sentence-transformers Dense projections
         if self.dense:
             self.hidden_size = self.dense[-1].out_features
-        # bge-m3 heads, applied in numpy (float32, also under --quantize int8) to the graph's token states
+        # bge-m3 heads: small float32 sessions (also under --quantize int8) over the graph's token states
         self.heads = load_heads(info, tokenizer, self.hidden_size)
+        self._heads = OrtHeads(self.heads, self._session) if self.heads is not None else None
 
-    def _session(self, path: Path, spin: bool | None = None, threads: int | None = None):
+    def _session(self, path: Path | bytes, spin: bool | None = None, threads: int | None = None):
         ort = self._ort
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -116,7 +117,8 @@ class OrtBackend(Backend):
         # a soak; 185 -> 2208 MB after one 32 x 512 batch, back to 188 MB without it) and small batches are
         # no slower without it. EMBEDOPS_ORT_ARENA=1 turns it back on.
         so.enable_cpu_mem_arena = os.environ.get("EMBEDOPS_ORT_ARENA", "0") == "1"
-        return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        model = path if isinstance(path, bytes) else str(path)  # bytes: a graph built here (bge-m3 heads)
+        return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
     def _feed(self, batch: Batch) -> dict:
         feed = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
@@ -142,8 +144,8 @@ class OrtBackend(Backend):
             pooled = apply_numpy(pooled.astype(np.float32, copy=False), self.dense)
         tokens = split_tokens(out, batch.lengths, len(batch.lengths)) if batch.need_tokens else None
         lexical = colbert = None
-        if batch.heads and self.heads is not None:
-            lexical, colbert = numpy_heads(self.heads, batch, out.astype(np.float32, copy=False))
+        if batch.heads and self._heads is not None:
+            lexical, colbert = self._heads(batch, out)
         return BatchOutput(np.ascontiguousarray(pooled, dtype=np.float32), tokens, lexical, colbert)
 
     def _compare(self, a, b, tokenizer) -> float:
