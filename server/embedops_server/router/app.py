@@ -14,13 +14,15 @@ from ..core.engine import EngineStats
 from ..core.model_info import ModelError
 from ..service import build_service
 from ..settings import Settings
-from . import errors, routes_compat, routes_m3, routes_tei
+from . import errors, openapi, routes_compat, routes_m3, routes_tei
 from .errors import error_response
 from .middleware import GuardMiddleware
 from .routes_tei import _json
+from .schemas import INFO_OK
 from .state import AppState
 
 log = logging.getLogger(__name__)
+METRICS_TYPE = "text/plain; version=0.0.4"
 
 
 def _stats(st: AppState) -> EngineStats:
@@ -70,11 +72,14 @@ def create_app(settings: Settings, service=None,
                   description="TEI-compatible embeddings, rerank, sparse and classification server")
     app.state.embedops = st
     errors.install(app)
+    openapi.install(app, st)
     app.include_router(routes_m3.router)  # first: its /embed_sparse also serves bge-m3, else defers to TEI's
     app.include_router(routes_tei.router)
     app.include_router(routes_compat.router)
 
-    @app.get("/health", tags=["Ops"], summary="200 once the model is loaded and warmed up, else 503")
+    @app.get("/health", tags=["Ops"], summary="200 once the model is loaded and warmed up, else 503",
+             response_class=Response, responses={200: {"description": "Healthy (empty body)"},
+                                                 **errors.responses(503)})
     async def health(request: Request):
         if st.service is None or st.draining or not st.service.engine.healthy():
             msg = st.load_error or ("shutting down" if st.draining else "unhealthy")
@@ -98,15 +103,19 @@ def create_app(settings: Settings, service=None,
     for path in ("/", "/invocations"):
         app.add_api_route(path, by_task, methods=["POST"], include_in_schema=False)
 
-    @app.get("/metrics", tags=["Ops"], summary="Prometheus metrics (TEI te_* names)")
+    @app.get("/metrics", tags=["Ops"], summary="Prometheus metrics (TEI te_* names)",
+             response_class=Response,
+             responses={200: {"description": "Prometheus text exposition format 0.0.4",
+                              "content": {METRICS_TYPE: {"schema": {"type": "string"}}}}})
     async def metrics():
         if st.service is not None:
             st.metrics.queue_size.set(len(st.service.engine.queue))
             st.metrics.in_flight.set(st.service.engine.in_flight)
             st.metrics.update_gpu(st.service.backend.memory_stats())
-        return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(st.metrics.render(), media_type=METRICS_TYPE + "; charset=utf-8")
 
-    @app.get("/info", tags=["Ops"], summary="Model and server configuration")
+    @app.get("/info", tags=["Ops"], summary="Model and server configuration",
+             responses={**INFO_OK, **errors.responses(503)})
     async def info():
         svc = st.svc()
         i = svc.info

@@ -26,8 +26,12 @@ class ApiError(Exception):
         self.status = STATUS.get(kind, 400)
 
 
+def is_openai(path: str) -> bool:
+    return path in OPENAI_PATHS or path.startswith("/v1/models")
+
+
 def error_body(path: str, status: int, kind: str, message: str) -> bytes:
-    if path in OPENAI_PATHS or path.startswith("/v1/models"):
+    if is_openai(path):
         return orjson.dumps({"error": {"message": message, "type": _OPENAI_TYPES.get(status, "invalid_request_error"),
                                        "param": None, "code": kind.lower()}})
     return orjson.dumps({"error": message, "error_type": kind})
@@ -107,6 +111,68 @@ def install(app) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = {404: "NotFound", 405: "MethodNotAllowed"}.get(exc.status_code, VALIDATION)
         msg = str(exc.detail)
-        if exc.status_code == 400:
-            msg = "Input validation error: the request body is not valid UTF-8 JSON"
-        return error_response(request.url.path, exc.status_code, kind, msg)
+        if exc.status_code == 400:  # FastAPI could not parse the body: not UTF-8, or JSON nested too deeply
+            msg = "Input validation error: the request body is not UTF-8 JSON, or is nested too deeply"
+        response = error_response(request.url.path, exc.status_code, kind, msg)
+        if exc.status_code == 405:  # RFC 9110: a 405 lists the methods the resource supports
+            response.headers["allow"] = ", ".join(allowed_methods(request.app, request.scope))
+        return response
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allowed_methods(app, scope) -> list[str]:
+    """Every method some route serves at this path (Starlette's own Allow names only the first route found)."""
+    from starlette.routing import Match
+
+    return [m for m in _METHODS
+            if any(route.matches({**scope, "method": m})[0] == Match.FULL for route in app.router.routes)]
+
+
+# ---- the error responses as the OpenAPI document states them (router/openapi.py adds the schemas) ----------
+ERROR_SCHEMAS = {
+    "ErrorResponse": {
+        "title": "ErrorResponse", "type": "object", "required": ["error", "error_type"],
+        "description": "TEI's error body",
+        "properties": {"error": {"type": "string"},
+                       "error_type": {"type": "string", "enum": sorted({*STATUS} - {"ClientClosedRequest"})}},
+    },
+    "OpenAIErrorResponse": {
+        "title": "OpenAIErrorResponse", "type": "object", "required": ["error"],
+        "description": "OpenAI's error body (OpenAI routes)",
+        "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                           "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
+        }},
+    },
+}
+_WHEN = {
+    400: "`Empty`: an empty text, or an empty list of inputs; or a body that is not UTF-8 JSON or is nested too "
+         "deeply (`Validation`)",
+    401: "`Unauthorized`: missing or wrong `Authorization: Bearer` key",
+    404: "`NotFound`",
+    413: "`PayloadTooLarge`: the body is over --payload-limit bytes",
+    422: "`Validation`: malformed JSON or wrong types, more inputs than --max-client-batch-size, an input over "
+         "the model's maximum length with `truncate: false` (token counts are not expressible in this "
+         "document), bad `dimensions`, unknown `prompt_name`, token ids outside the vocabulary; `Tokenizer`: the "
+         "tokenizer refused an input",
+    424: "`Backend`: inference failed, or the loaded model's task does not serve this route (this document "
+         "lists only the routes of the loaded model once it has loaded)",
+    429: "`Overloaded`: more than --max-concurrent-requests inputs in flight; retry after `Retry-After` seconds",
+    503: "`Unhealthy`: the model is loading or failed to load (the message says why), or the server is "
+         "shutting down",
+}
+
+
+def responses(*codes: int, openai: bool = False) -> dict:
+    """The `responses=` of a route: each status code with its error schema (OpenAI's on OpenAI routes)."""
+    ref = {"$ref": "#/components/schemas/" + ("OpenAIErrorResponse" if openai else "ErrorResponse")}
+    out: dict = {}
+    for code in codes:
+        out[code] = {"description": _WHEN[code], "content": {"application/json": {"schema": ref}}}
+        if code == 429:
+            out[code]["headers"] = {"Retry-After": {"description": "seconds until the queue has likely drained",
+                                                    "schema": {"type": "integer", "minimum": 1}}}
+    return out

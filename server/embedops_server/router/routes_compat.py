@@ -4,16 +4,17 @@ from __future__ import annotations
 import base64
 import time
 import uuid
+from typing import Annotated
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 
 from ..core.errors import EMPTY
 from ..core.model_info import EMBEDDER, RERANKER
-from . import scoring
+from . import errors, scoring
 from .errors import ApiError
-from .routes_tei import _count, _json, _observe, _state
-from .schemas import CohereRerankRequest, OpenAIEmbeddingRequest
+from .routes_tei import INFERENCE_ERRORS, _count, _doc, _json, _observe, _state
+from .schemas import MARK, COHERE_RERANK_OK, MODEL_OK, MODELS_OK, OPENAI_EMBED_OK, CohereRerankRequest, OpenAIEmbeddingRequest
 
 router = APIRouter()
 
@@ -22,7 +23,8 @@ async def openai_embeddings(request: Request, body: OpenAIEmbeddingRequest):
     st = _state(request)
     t0 = time.perf_counter()
     svc = st.require_task(EMBEDDER)
-    texts = st.texts(svc, body.input, st.prompt(svc, None))
+    st.check_dimensions(svc, body.dimensions)
+    texts = st.texts(svc, body.input, st.prompt(svc, None), field="input")
     results, req = await st.run(request, svc, texts, st.settings.auto_truncate, "right")
     v = scoring.dense(results, body.dimensions, True, svc.backend.hidden_size)
     if body.encoding_format == "base64":
@@ -39,7 +41,8 @@ async def openai_embeddings(request: Request, body: OpenAIEmbeddingRequest):
 
 
 router.add_api_route("/v1/embeddings", openai_embeddings, methods=["POST"], tags=["OpenAI"],
-                     summary="OpenAI-compatible embeddings (float or base64)")
+                     summary="OpenAI-compatible embeddings (float or base64)",
+                     **_doc(OPENAI_EMBED_OK, EMBEDDER, errs=errors.responses(400, 413, 422, 424, 429, 503, openai=True)))
 router.add_api_route("/embeddings", openai_embeddings, methods=["POST"], tags=["OpenAI"], include_in_schema=False)
 
 
@@ -48,21 +51,24 @@ def _model_card(st) -> dict:
             "created": int(st.started), "owned_by": "embedops"}
 
 
-@router.get("/v1/models", tags=["OpenAI"], summary="OpenAI-compatible model list (the one served model)")
+@router.get("/v1/models", tags=["OpenAI"], summary="OpenAI-compatible model list (the one served model)",
+            responses=MODELS_OK)
 async def openai_models(request: Request):
     # OpenAI SDKs, LiteLLM and UIs discover models here before calling /v1/embeddings.
     return _json({"object": "list", "data": [_model_card(_state(request))]})
 
 
-@router.get("/v1/models/{model_id:path}", tags=["OpenAI"], summary="One model, OpenAI-compatible")
-async def openai_model(request: Request, model_id: str):
+@router.get("/v1/models/{model_id:path}", tags=["OpenAI"], summary="One model, OpenAI-compatible",
+            responses={**MODEL_OK, **errors.responses(404, openai=True)})
+async def openai_model(request: Request, model_id: Annotated[str, Path(json_schema_extra={MARK: "model-id"})]):
     card = _model_card(_state(request))
     if model_id != card["id"]:
         raise ApiError("NotFound", f"The model `{model_id}` does not exist; this server serves `{card['id']}`")
     return _json(card)
 
 
-@router.post("/v1/rerank", tags=["Cohere/Jina"], summary="Cohere/Jina-style rerank (documents, top_n)")
+@router.post("/v1/rerank", tags=["Cohere/Jina"], summary="Cohere/Jina-style rerank (documents, top_n)",
+             **_doc(COHERE_RERANK_OK, RERANKER))
 async def cohere_rerank(request: Request, body: CohereRerankRequest):
     st = _state(request)
     t0 = time.perf_counter()
@@ -70,6 +76,8 @@ async def cohere_rerank(request: Request, body: CohereRerankRequest):
     docs: list[str] = body.documents  # validator flattened {"text": ...} objects
     if not docs:
         raise ApiError(EMPTY, "`documents` cannot be empty")
+    st.refuse_empty("query", [body.query])
+    st.refuse_empty("documents", docs)
     st.check_batch(len(docs))
     results, req = await st.run(request, svc, [(body.query, d) for d in docs], st.truncate(body.truncate), "right")
     s = scoring.scores(np.stack(results), False)[:, 0]

@@ -11,13 +11,22 @@ from fastapi.responses import Response
 
 from ..core.errors import BACKEND, EMPTY, VALIDATION
 from ..core.model_info import CLASSIFIER, EMBEDDER, RERANKER, SPARSE
+from . import errors, scoring
 from .errors import ApiError
-from .schemas import (DecodeRequest, EmbedAllRequest, EmbedRequest, PredictRequest, RerankRequest,
-                      SimilarityRequest, TokenizeRequest)
-from . import scoring
+from .openapi import TASKS
+from .schemas import (DECODE_OK, EMBED_ALL_OK, EMBED_OK, PREDICT_OK, RERANK_OK, SIMILARITY_OK, SPARSE_OK, TOKENIZE_OK,
+                      DecodeRequest, EmbedAllRequest, EmbedRequest, PredictRequest, RerankRequest, SimilarityRequest,
+                      TokenizeRequest)
 
 router = APIRouter()
 NUMPY = orjson.OPT_SERIALIZE_NUMPY
+INFERENCE_ERRORS = errors.responses(400, 413, 422, 424, 429, 503)
+TEXT_ERRORS = errors.responses(400, 413, 422, 503)  # /tokenize, /decode: no model run, no admission
+
+
+def _doc(ok: dict, *tasks: str, errs: dict = INFERENCE_ERRORS) -> dict:
+    """Route keywords for the OpenAPI document: its responses and the tasks it serves (router/openapi.py)."""
+    return {"responses": {**ok, **errs}, "openapi_extra": {TASKS: list(tasks)} if tasks else None}
 
 
 def _json(obj, headers=None) -> Response:
@@ -61,38 +70,45 @@ def _observe(st, req) -> None:
     m.request_inf.observe(req.t_infer / n)
 
 
-@router.post("/embed", tags=["TEI"], summary="Embed inputs (pooled, optionally normalized and MRL-truncated)")
+@router.post("/embed", tags=["TEI"], summary="Embed inputs (pooled, optionally normalized and MRL-truncated)",
+             **_doc(EMBED_OK, EMBEDDER, SPARSE))
 async def embed(request: Request, body: EmbedRequest):
     st = _state(request)
     svc = st.require_task(EMBEDDER, SPARSE)
     if svc.info.task == SPARSE and body.normalize:
         raise ApiError(BACKEND, "`normalize` is not available for SPLADE models; pass normalize=false")
+    st.check_dimensions(svc, body.dimensions)
     results, req, t0 = await _embed_like(request, body, False, (EMBEDDER, SPARSE))
     vecs = scoring.dense(results, body.dimensions, body.normalize, svc.backend.hidden_size)
     return _json(vecs, st.headers(req, t0))
 
 
-@router.post("/embed_all", tags=["TEI"], summary="Per-token hidden states (no pooling)")
+@router.post("/embed_all", tags=["TEI"], summary="Per-token hidden states (no pooling)",
+             **_doc(EMBED_ALL_OK, EMBEDDER))
 async def embed_all(request: Request, body: EmbedAllRequest):
     st = _state(request)
     results, req, t0 = await _embed_like(request, body, True, (EMBEDDER,))
     return _json([np.ascontiguousarray(r, dtype=np.float32) for r in results], st.headers(req, t0))
 
 
-@router.post("/embed_sparse", tags=["TEI"], summary="SPLADE sparse vectors (non-zero entries)")
+@router.post("/embed_sparse", tags=["TEI"], summary="SPLADE sparse vectors (non-zero entries)",
+             **_doc(SPARSE_OK, SPARSE))
 async def embed_sparse(request: Request, body: EmbedAllRequest):
     st = _state(request)
     results, req, t0 = await _embed_like(request, body, False, (SPARSE,))
     return _json(scoring.sparse(results), st.headers(req, t0))
 
 
-@router.post("/rerank", tags=["TEI"], summary="Score (query, text) pairs with a re-ranker; sorted by score")
+@router.post("/rerank", tags=["TEI"], summary="Score (query, text) pairs with a re-ranker; sorted by score",
+             **_doc(RERANK_OK, RERANKER))
 async def rerank(request: Request, body: RerankRequest):
     st = _state(request)
     t0 = time.perf_counter()
     svc = st.require_task(RERANKER)
     if not body.texts:
         raise ApiError(EMPTY, "`texts` cannot be empty")
+    st.refuse_empty("query", [body.query])
+    st.refuse_empty("texts", body.texts)
     st.check_batch(len(body.texts))
     pairs = [(body.query, t) for t in body.texts]
     results, req = await st.run(request, svc, pairs, st.truncate(body.truncate), body.truncation_direction)
@@ -107,7 +123,8 @@ async def rerank(request: Request, body: RerankRequest):
     return _json(out, st.headers(req, t0))
 
 
-@router.post("/predict", tags=["TEI"], summary="Classify a text or a pair (single or batch)")
+@router.post("/predict", tags=["TEI"], summary="Classify a text or a pair (single or batch)",
+             **_doc(PREDICT_OK, CLASSIFIER, RERANKER))
 async def predict(request: Request, body: PredictRequest):
     st = _state(request)
     t0 = time.perf_counter()
@@ -125,6 +142,7 @@ async def predict(request: Request, body: PredictRequest):
             items.append(x if isinstance(x, str) else (tuple(x) if len(x) == 2 else x[0]))
     if not items:
         raise ApiError(EMPTY, "`inputs` cannot be empty")
+    st.refuse_empty("inputs", items)
     st.check_batch(len(items))
     results, req = await st.run(request, svc, items, st.truncate(body.truncate), body.truncation_direction)
     probs = scoring.scores(np.stack(results), body.raw_scores)
@@ -138,13 +156,16 @@ async def predict(request: Request, body: PredictRequest):
     return _json(out[0] if single else out, st.headers(req, t0))
 
 
-@router.post("/similarity", tags=["TEI"], summary="Cosine similarity of a source sentence to sentences")
+@router.post("/similarity", tags=["TEI"], summary="Cosine similarity of a source sentence to sentences",
+             **_doc(SIMILARITY_OK, EMBEDDER))
 async def similarity(request: Request, body: SimilarityRequest):
     st = _state(request)
     t0 = time.perf_counter()
     svc = st.require_task(EMBEDDER)
     if not body.inputs.sentences:
         raise ApiError(EMPTY, "`sentences` cannot be empty")
+    st.refuse_empty("source_sentence", [body.inputs.source_sentence])
+    st.refuse_empty("sentences", body.inputs.sentences)
     p = body.parameters
     prompt = st.prompt(svc, p.prompt_name if p else None)
     texts = [body.inputs.source_sentence, *body.inputs.sentences]
@@ -157,7 +178,7 @@ async def similarity(request: Request, body: SimilarityRequest):
     return _json((v[1:] @ v[0]).astype(np.float32), st.headers(req, t0))
 
 
-@router.post("/tokenize", tags=["TEI"], summary="Tokenize inputs (no truncation)")
+@router.post("/tokenize", tags=["TEI"], summary="Tokenize inputs (no truncation)", **_doc(TOKENIZE_OK, errs=TEXT_ERRORS))
 async def tokenize(request: Request, body: TokenizeRequest):
     st = _state(request)
     svc = st.svc()
@@ -182,13 +203,12 @@ async def tokenize(request: Request, body: TokenizeRequest):
     return _json(out)
 
 
-@router.post("/decode", tags=["TEI"], summary="Decode token ids to text")
+@router.post("/decode", tags=["TEI"], summary="Decode token ids to text (an empty list decodes to \"\")",
+             **_doc(DECODE_OK, errs=TEXT_ERRORS))
 async def decode(request: Request, body: DecodeRequest):
     st = _state(request)
     svc = st.svc()
     batch = [body.ids] if not body.ids or isinstance(body.ids[0], int) else body.ids
-    if not batch or not any(batch):
-        raise ApiError(EMPTY, "`ids` cannot be empty")
     st.check_batch(len(batch))
     vocab = svc.tokenizers.tokenizer.get_vocab_size()
     if any(i >= vocab for ids in batch for i in ids):

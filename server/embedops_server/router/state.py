@@ -8,6 +8,7 @@ from typing import Sequence
 from fastapi import Request
 
 from ..core.errors import BACKEND, EMPTY, UNHEALTHY, VALIDATION
+from ..core.model_info import EMBEDDER
 from ..service import Service
 from ..settings import Settings
 from .errors import ApiError
@@ -53,7 +54,7 @@ class AppState:
             return svc.info.prompts[self.settings.default_prompt_name]
         return self.settings.default_prompt
 
-    def texts(self, svc: Service, inputs, prompt: str | None) -> list[str]:
+    def texts(self, svc: Service, inputs, prompt: str | None, field: str = "inputs") -> list[str]:
         """Normalize TEI `Input` (string, ids, or a batch of either) to a list of strings."""
         if isinstance(inputs, str):
             items = [inputs]
@@ -62,7 +63,8 @@ class AppState:
         else:
             items = list(inputs)
         if not items:
-            raise ApiError(EMPTY, "`inputs` cannot be empty")
+            raise ApiError(EMPTY, f"`{field}` cannot be empty")
+        self.refuse_empty(field, items)
         self.check_batch(len(items))
         out = []
         for x in items:
@@ -76,6 +78,18 @@ class AppState:
         if any(i >= vocab for i in ids):
             raise ApiError(VALIDATION, f"Input validation error: token id out of range (vocabulary size {vocab})")
         return svc.tokenizers.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @staticmethod
+    def refuse_empty(field: str, items) -> None:
+        """TEI's 400 `Empty` for an empty text, pair member or token-id list (checked before any prompt)."""
+        if any(_empty(x) for x in items):
+            raise ApiError(EMPTY, f"Input validation error: `{field}` cannot be empty")
+
+    def check_dimensions(self, svc: Service, dimensions: int | None) -> None:
+        """Before any inference: `dimensions` outside 1..the embedding size (scoring.dense checks it again)."""
+        hidden = svc.backend.hidden_size
+        if dimensions is not None and svc.info.task == EMBEDDER and hidden and not 1 <= dimensions <= hidden:
+            raise ApiError(VALIDATION, f"Input validation error: `dimensions` must be between 1 and {hidden}")
 
     def check_batch(self, n: int) -> None:
         limit = self.settings.max_client_batch_size
@@ -118,6 +132,14 @@ class AppState:
             "x-inference-time": f"{req.t_infer * 1000 / n:.3f}",
             "x-compute-tokens": str(req.tokens),
         }
+
+
+def _empty(x) -> bool:
+    if isinstance(x, str):
+        return not x
+    if isinstance(x, tuple):  # a (query, text) pair
+        return any(_empty(y) for y in x)
+    return len(x) == 0  # token ids
 
 
 async def _disconnected(request: Request) -> None:
