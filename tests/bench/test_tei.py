@@ -146,3 +146,18 @@ def test_ratio_lines():
 
 def test_na_reason():
     assert "int8" in tei.na_reason("tei+int8", "4-rerank")
+
+
+def test_runner_skips_an_absent_tei_in_one_line(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from bench.cli import ALL_TARGETS, Runner
+
+    monkeypatch.setenv("EMBEDOPS_TEI_HOME", str(tmp_path / "none"))
+    r = Runner.__new__(Runner)
+    r.errors, r.targets, r.meta, r.logs, r.model_dir, r.rerank_dir = {}, {}, {}, tmp_path, tmp_path, None
+    r.args = SimpleNamespace(onnx_backend_name="onnx", embedops_args=[])
+    r.start_targets(["tei", "tei-candle"], rerank=False)
+    assert not r.targets and set(r.errors) == {"tei", "tei-candle"}
+    assert all(v.startswith("TeiUnavailable: ") and "\n" not in v for v in r.errors.values())
+    assert {"tei", "tei+int8", "tei-candle"} <= set(ALL_TARGETS)
