@@ -8,7 +8,8 @@ FastAPI builds the document from the routes and request models; `contract()` the
   --max-client-batch-size), `batch-1` (the same less one: /similarity counts the source sentence),
   `token-id` (maximum = vocabulary size - 1), `dimensions` (maximum = the embedding size), `prompt-name` (enum
   of the model's prompts), `chars` (maxLength of a /tokenize text), `model-id` (the one served model),
-* drops FastAPI's default 422 body (`{"detail": [...]}`), which this server never sends,
+* drops FastAPI's default 422 body (`{"detail": [...]}`), which this server never sends, and gives an
+  operation that runs the model (it has `x-embedops-tasks`) the inference errors it does not declare itself,
 * declares the bearer scheme and 401 on the protected routes when --api-key is set.
 Until the model has loaded the document lists every route and only the limits known from the flags; it is
 built once for good after that.
@@ -58,6 +59,9 @@ def contract(doc: dict, settings, svc) -> dict:
                 continue
             for code in [c for c, r in op.get("responses", {}).items() if _is_fastapi_422(r)]:
                 del op["responses"][code]
+            if TASKS in op:  # it runs the model: every inference error can come back, whether declared or not
+                for code, r in _str_keys(responses(400, 413, 422, 424, 429, 503, openai=is_openai(path))).items():
+                    op.setdefault("responses", {}).setdefault(code, r)
             if settings.api_key and path not in PUBLIC_PATHS:
                 op["security"] = [{"bearer": []}]
                 op["responses"].update(_str_keys(responses(401, openai=is_openai(path))))
