@@ -54,7 +54,9 @@ class CachedKube:
         want = W.parse_selector(selector)
         out = []
         for inf in informers:
-            out += [copy.deepcopy(o) for o in inf.items(namespace) if W.matches(o, want)]
+            value = want.get(inf.index_label) if inf.index_label and namespace else None
+            candidates = inf.indexed(namespace, value) if value is not None else inf.items(namespace)
+            out += [copy.deepcopy(o) for o in candidates if W.matches(o, want)]
         return sorted(out, key=lambda o: W.key_of(o))
 
     # ------------------------------------------------------------------ writes (through to the cache)

@@ -56,6 +56,9 @@ def _keep_all(obj: dict) -> dict:
 
 
 TRANSFORMS = {"Pod": _pod_view, "ConfigMap": _keep_all}
+# the label a service's children are looked up by (its prune and Pod selectors name it), so a reconcile reads
+# its own few objects, not all N of a kind; Pods are selected by the Deployment's selector labels
+INDEX_LABELS = {S.KIND: None, "ConfigMap": None, "Pod": R.LABEL_INSTANCE}
 
 
 class Controller:
@@ -88,7 +91,7 @@ class Controller:
                     self.kube.watcher(api_version, kind, ns, selector),
                     on_event=partial(self._on_event, kind),
                     transform=TRANSFORMS.get(kind, W.strip_managed_fields),
-                    namespace=ns, selector=selector))
+                    namespace=ns, selector=selector, index_label=INDEX_LABELS.get(kind, R.LABEL_SERVICE)))
             self.cache.informers[(api_version, kind)] = infs
         for inf in infs:
             inf.start()

@@ -60,8 +60,11 @@ class Informer:
     def __init__(self, name: str, list_page: Callable, watch_stream: Callable, *, on_event: EventFn | None = None,
                  transform: Callable[[dict], dict] = strip_managed_fields, page_size: int = 500,
                  watch_timeout: float = 300.0, max_backoff: float = 30.0, namespace: str | None = None,
-                 selector: str | None = None):
+                 selector: str | None = None, index_label: str | None = None):
         self.name = name
+        # objects by (namespace, value of this label): a service's children without scanning them all
+        self.index_label = index_label
+        self._index: dict[tuple[str, str], set[Key]] = {}
         self.namespace = namespace  # what the transport covers (None: all namespaces), for readers
         self.label_filter = parse_selector(selector)  # the transport's label selector, for readers
         self._list_page = list_page  # (limit, continue) -> (items, resourceVersion, continue)
@@ -102,6 +105,33 @@ class Informer:
         with self._lock:
             return list(self._items)
 
+    def indexed(self, namespace: str, value: str) -> list[dict]:
+        """Objects in `namespace` whose `index_label` is `value`."""
+        with self._lock:
+            return [self._items[k] for k in self._index.get((namespace or "", value), ()) if k in self._items]
+
+    # the index follows every change of _items (callers hold the lock)
+    def _label(self, obj: dict | None) -> str | None:
+        if obj is None or not self.index_label:
+            return None
+        return ((obj.get("metadata") or {}).get("labels") or {}).get(self.index_label)
+
+    def _set(self, k: Key, obj: dict | None) -> None:
+        old = self._items.get(k)
+        before, after = self._label(old), self._label(obj)
+        if before is not None and before != after:
+            keys = self._index.get((k[0], before))
+            if keys is not None:
+                keys.discard(k)
+                if not keys:
+                    del self._index[(k[0], before)]
+        if obj is None:
+            self._items.pop(k, None)
+        else:
+            self._items[k] = obj
+        if after is not None:
+            self._index.setdefault((k[0], after), set()).add(k)
+
     # ------------------------------------------------------------------ our own writes
     def put(self, obj: dict) -> None:
         """Store an object the API server returned for our write, unless the cache already holds a newer one."""
@@ -111,11 +141,11 @@ class Informer:
             old = self._items.get(k)
             if old is not None and _rv(old) is not None and _rv(obj) is not None and _rv(old) > _rv(obj):
                 return
-            self._items[k] = obj
+            self._set(k, obj)
 
     def drop(self, namespace: str, name: str) -> None:
         with self._lock:
-            self._items.pop((namespace or "", name), None)
+            self._set((namespace or "", name), None)
 
     # ------------------------------------------------------------------ applying changes
     def _emit(self, etype: str, old: dict | None, new: dict | None) -> None:
@@ -132,12 +162,12 @@ class Informer:
         with self._lock:
             old = self._items.get(k)
             if etype == "DELETED":
-                self._items.pop(k, None)
+                self._set(k, None)
             else:
                 new_rv, old_rv = _rv(obj), _rv(old)
                 if old is not None and new_rv is not None and old_rv is not None and old_rv >= new_rv:
                     return  # our own write already stored this (or a newer) version
-                self._items[k] = obj
+                self._set(k, obj)
         if etype == "DELETED":
             self._emit("DELETED", old or obj, None)
         else:
@@ -150,7 +180,9 @@ class Informer:
             obj = self.transform(raw)
             fresh[key_of(obj)] = obj
         with self._lock:
-            old_items, self._items = self._items, fresh
+            old_items, self._items, self._index = self._items, {}, {}
+            for k, obj in fresh.items():
+                self._set(k, obj)
         for k, old in old_items.items():
             if k not in fresh:
                 self._emit("DELETED", old, None)

@@ -222,3 +222,25 @@ def test_iter_lines_and_selectors():
     assert list(W.iter_lines([b'{"a"', b':1}\n{"b":2}\n', b'{"c":3}'])) == [b'{"a":1}', b'{"b":2}', b'{"c":3}']
     assert W.parse_selector("a=b,c=d") == {"a": "b", "c": "d"}
     assert W.matches(obj("x", 1, a="b"), {"a": "b"}) and not W.matches(obj("x", 1), {"a": "b"})
+
+
+def test_label_index_follows_changes_and_serves_selector_lists():
+    server, events = FakeServer(), []
+    inf = informer(server, events)
+    inf.index_label, inf.namespace, inf.label_filter = "svc", None, {}
+    inf._replace([obj("a-dep", 1, svc="a"), obj("b-dep", 2, svc="b"), obj("plain", 3)])
+    assert [o["metadata"]["name"] for o in inf.indexed("ml", "a")] == ["a-dep"]
+    inf._apply_event("MODIFIED", obj("b-dep", 4, svc="a"))  # relabelled: moves in the index
+    assert sorted(o["metadata"]["name"] for o in inf.indexed("ml", "a")) == ["a-dep", "b-dep"]
+    assert inf.indexed("ml", "b") == []
+    inf._apply_event("DELETED", obj("a-dep", 5, svc="a"))
+    inf.put(obj("c-dep", 6, svc="a"))
+    assert sorted(o["metadata"]["name"] for o in inf.indexed("ml", "a")) == ["b-dep", "c-dep"]
+    assert inf.indexed("other", "a") == []
+    inf._synced.set()
+    ck = CachedKube(LiveKube())
+    ck.informers[("v1", "Service")] = [inf]
+    assert [o["metadata"]["name"] for o in ck.list("v1", "Service", "ml", "svc=a")] == ["b-dep", "c-dep"]
+    assert [o["metadata"]["name"] for o in ck.list("v1", "Service", None, "svc=a")] == ["b-dep", "c-dep"]
+    inf._replace([obj("plain", 7)])
+    assert inf.indexed("ml", "a") == [] and inf._index == {}
