@@ -228,3 +228,23 @@ def test_json_nested_10000_deep_is_a_4xx(minilm_torch, path):
         assert 400 <= r.status_code < 500, (path, r.status_code, r.text[:300])
         assert "nested too deeply" in r.text or "malformed JSON" in r.text or r.status_code in (404, 422), r.text
     assert httpx.post(minilm_torch + "/embed", json={"inputs": "still serving"}).status_code == 200
+
+
+def test_markers_resolve_to_this_servers_limits():
+    """router/openapi.py's markers: a limit replaces the marker; a schema with no valid value leaves its anyOf."""
+    from embedops_server.router.openapi import _DROP, _resolve
+
+    limits = {"outputs": {"enum": ["dense", "colbert"]}, "prompt-name": _DROP,
+              "token-id": {"maximum": 9, "exclusiveMaximum": None}}
+    doc = {"outputs": {"type": "array", "items": {"type": "string", "enum": ["dense", "sparse", "colbert"],
+                                                   "x-embedops": "outputs"}},
+           "prompt_name": {"anyOf": [{"type": "string", "x-embedops": "prompt-name"}, {"type": "null"}],
+                           "title": "Prompt Name"},
+           "ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "exclusiveMaximum": 2 ** 32,
+                                              "x-embedops": "token-id"}},
+           "other": {"type": "string", "x-embedops": "unknown-marker"}}
+    assert _resolve(doc, limits) == {
+        "outputs": {"type": "array", "items": {"type": "string", "enum": ["dense", "colbert"]}},
+        "prompt_name": {"type": "null", "title": "Prompt Name"},
+        "ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "other": {"type": "string"}}

@@ -8,6 +8,7 @@ FastAPI builds the document from the routes and request models; `contract()` the
   --max-client-batch-size), `batch-1` (the same less one: /similarity counts the source sentence),
   `token-id` (maximum = vocabulary size - 1), `dimensions` (maximum = the embedding size), `prompt-name` (enum
   of the model's prompts), `chars` (maxLength of a /tokenize text), `model-id` (the one served model),
+  `outputs` (enum of the outputs the model has, ModelInfo.outputs),
 * drops FastAPI's default 422 body (`{"detail": [...]}`), which this server never sends, and gives an
   operation that runs the model (it has `x-embedops-tasks`) the inference errors it does not declare itself,
 * declares the bearer scheme and 401 on the protected routes when --api-key is set.
@@ -112,6 +113,8 @@ def _limits(settings, svc) -> dict:
     size = svc.backend.hidden_size if svc.info.task == EMBEDDER else svc.info.config.get("vocab_size")
     if size:
         out["dimensions"] = {"maximum": int(size)}
+    outputs = list(getattr(svc.info, "outputs", None) or [])
+    out["outputs"] = {"enum": outputs} if outputs else _DROP
     prompts = sorted(svc.info.prompts)
     out["prompt-name"] = {"enum": prompts} if prompts else _DROP
     longest = max([len(p) for p in svc.info.prompts.values()] + [len(settings.default_prompt or "")])

@@ -36,7 +36,8 @@ def _integral(v):
 
 
 Int = Annotated[StrictInt, BeforeValidator(_integral)]
-MARK = "x-embedops"  # replaced by router/openapi.py: batch, batch-1, token-id, dimensions, prompt-name, chars
+MARK = "x-embedops"  # resolved by router/openapi.py: batch, batch-1, token-id, dimensions, prompt-name, chars,
+# model-id, outputs
 Text = Annotated[StrictStr, doc(minLength=1)]  # an input that is embedded, scored or classified
 TokenId = Annotated[StrictInt, Field(ge=0, lt=2 ** 32), BeforeValidator(_integral), doc(x_embedops="token-id")]
 TokenIds = Annotated[list[TokenId], doc(minItems=1)]
