@@ -60,8 +60,8 @@ def _require(st, wanted: list[str]):
     missing = [o for o in wanted if o not in have]
     if missing:
         o = missing[0]
-        raise ApiError(BACKEND, f"Model has no {o} output: its folder has no {_HEAD_FILE[o]} (the bge-m3 layout); "
-                                f"its outputs: {', '.join(have)}")
+        raise ApiError(BACKEND, f"Model is not a bge-m3 model with a {o} head: its folder has no {_HEAD_FILE[o]}; "
+                                f"its outputs: {', '.join(have)}")  # "Model is not": metrics label model_type
     return svc
 
 
@@ -123,14 +123,16 @@ async def embed_sparse(request: Request, body: EmbedAllRequest):
     if svc.info.task == SPARSE:
         return await routes_tei.embed_sparse(request, body)
     if svc.info.task == EMBEDDER and LEXICAL not in svc.info.outputs:
-        raise ApiError(BACKEND, "Model has no sparse output: it is neither a SPLADE (*ForMaskedLM) model nor has a "
+        raise ApiError(BACKEND, "Model is not a sparse model: neither SPLADE (*ForMaskedLM) nor an embedder with a "
                                 "bge-m3 sparse head (sparse_linear.pt)")
     svc = _require(st, [LEXICAL])
     results, req, t0 = await _run(request, st, svc, body, [LEXICAL])
     return _json(lexical([r[LEXICAL] for r in results]), st.headers(req, t0))
 
 
+# x-embedops-tasks / -outputs: the OpenAPI document lists an operation only for models that serve it.
 @router.post("/embed_colbert", tags=["bge-m3"],
+             openapi_extra={"x-embedops-tasks": ["embedding"], "x-embedops-outputs": ["colbert"]},
              summary="ColBERT multi-vectors (bge-m3 colbert head): per input one vector per token after the first")
 async def embed_colbert(request: Request, body: ColbertRequest):
     st = request.app.state.embedops
@@ -141,7 +143,7 @@ async def embed_colbert(request: Request, body: ColbertRequest):
     return _json(out, st.headers(req, t0))
 
 
-@router.post("/embed_hybrid", tags=["bge-m3"],
+@router.post("/embed_hybrid", tags=["bge-m3"], openapi_extra={"x-embedops-tasks": ["embedding"]},
              summary="Any of dense, sparse (lexical weights) and ColBERT vectors per input, from one forward")
 async def embed_hybrid(request: Request, body: HybridRequest):
     st = request.app.state.embedops
