@@ -5,12 +5,13 @@ PyPI FlagEmbedding 1.4.2 imports a module transformers 5 removed, so the venv ha
 huggingface_hub, tokenizers, datasets). torch is not downloaded again: a .pth file appends the main venv's
 site-packages after the side venv's own, so the side venv's transformers wins and torch, numpy, ... come from
 the main venv (checked at creation: transformers' version and torch's path). Created once, cached under
-~/.cache/embedops (``EMBEDOPS_FLAG_VENV`` overrides); a marker file records success.
+~/.cache/embedops, one per main venv (``EMBEDOPS_FLAG_VENV`` overrides); a marker file records success.
 
 ``encode()`` runs ``bench/flagembedding_runner.py`` in that venv as a subprocess; results come back as .npz.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -25,7 +26,10 @@ import numpy as np
 
 FLAG_VERSION = "1.4.2"
 CACHE = Path(os.environ.get("EMBEDOPS_CACHE") or Path.home() / ".cache" / "embedops")
-VENV = Path(os.environ.get("EMBEDOPS_FLAG_VENV", CACHE / f"venv-flagembedding-{FLAG_VERSION}"))
+# One per main venv (its .pth names the main venv's site-packages: another checkout gets its own).
+_MAIN = sysconfig.get_paths()["purelib"]
+VENV = Path(os.environ.get("EMBEDOPS_FLAG_VENV") or
+            CACHE / f"venv-flagembedding-{FLAG_VERSION}-{hashlib.sha256(_MAIN.encode()).hexdigest()[:8]}")
 RUNNER = Path(__file__).with_name("flagembedding_runner.py")
 # What FlagEmbedding's package import needs beyond the main venv (it imports datasets and peft at import).
 REQUIREMENTS = ["transformers>=4.44.2,<5", "huggingface_hub<1", "datasets"]
@@ -45,13 +49,13 @@ def ensure_venv(log=print) -> Path:
     site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
     # "zz-": .pth files are processed in name order; its path goes after the side venv's own site-packages.
-    Path(site, "zz-embedops-main-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    Path(site, "zz-embedops-main-venv.pth").write_text(_MAIN + "\n")
     pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     subprocess.run(pip + REQUIREMENTS, check=True)
     subprocess.run(pip + ["--no-deps"] + NO_DEPS, check=True)
     check = ("import transformers, torch, sys; from FlagEmbedding import BGEM3FlagModel; "
              "assert transformers.__version__.startswith('4.'), transformers.__version__; "
-             f"assert torch.__file__.startswith({sysconfig.get_paths()['purelib']!r}), torch.__file__; "
+             f"assert torch.__file__.startswith({_MAIN!r}), torch.__file__; "
              "print(transformers.__version__, torch.__version__)")
     subprocess.run([str(py), "-c", check], check=True)
     marker.write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
