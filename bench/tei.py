@@ -148,14 +148,16 @@ def ort_folder(model_dir: Path, onnx_file: Path, root: Path | None = None) -> Pa
 # ---------------------------------------------------------------- servers
 
 class TeiServer(Server):
-    """TEI answers /metrics on its Prometheus port, not on the API port."""
+    """TEI 1.9.3 answers /metrics on its API port; the separate ``--prometheus-port`` listener is only a
+    fallback here (its router builds that exporter but does not run it; the port must still be free)."""
 
     def __init__(self, *a, prometheus_port: int, **kw):
         super().__init__(*a, **kw)
         self.prometheus_port = prometheus_port
 
     def get(self, path: str, timeout: float = 5.0) -> str | None:
-        if path == "/metrics":
+        got = super().get(path, timeout)
+        if got is None and path == "/metrics":
             import urllib.request
 
             try:
@@ -164,7 +166,7 @@ class TeiServer(Server):
                     return r.read().decode(errors="replace")
             except Exception:
                 return None
-        return super().get(path, timeout)
+        return got
 
 
 def two_ports() -> tuple[int, int]:

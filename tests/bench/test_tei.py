@@ -100,7 +100,7 @@ def test_argv_has_distinct_ports(tmp_path, monkeypatch):
     assert t.rerank_path == "/rerank" and t.rerank_body("q", ["a", "b"]) == {"query": "q", "texts": ["a", "b"]}
 
 
-def test_metrics_come_from_the_prometheus_port(tmp_path):
+def test_metrics_fall_back_to_the_prometheus_port(tmp_path):
     class H(BaseHTTPRequestHandler):
         def do_GET(self):
             body = b"te_batch_next_size_count 3\n" if self.path == "/metrics" else b"no"
@@ -117,7 +117,7 @@ def test_metrics_come_from_the_prometheus_port(tmp_path):
     try:
         s = tei.TeiServer("tei", ["x"], 1, prometheus_port=srv.server_address[1])
         assert s.get("/metrics").startswith("te_batch_next_size_count")
-        assert s.get("/info") is None  # port 1: the API port is elsewhere
+        assert s.get("/info") is None  # port 1: nothing there, and only /metrics falls back
     finally:
         srv.shutdown()
 
