@@ -11,37 +11,38 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
-from pydantic import StrictInt
+from pydantic import StrictBool
 
 from ..core.errors import BACKEND, VALIDATION
 from ..core.model_info import COLBERT, DENSE, EMBEDDER, LEXICAL, SPARSE
 from . import routes_tei, scoring
 from .errors import ApiError
 from .routes_tei import _count, _json, _observe
-from .schemas import EmbedAllRequest, Input
+from .schemas import Dimensions, EmbedAllRequest, Input, doc
 from .state import _disconnected
 
 router = APIRouter()
 
-Output = Literal["dense", "sparse", "colbert"]
+Output = Annotated[Literal["dense", "sparse", "colbert"], doc(x_embedops="outputs")]  # the model's own, in /openapi.json
+Outputs = Annotated[list[Output], doc(minItems=1)]
 Encoding = Literal["float", "base64"]
 
 
 class ColbertRequest(EmbedAllRequest):
-    normalize: bool = True
-    dimensions: StrictInt | None = None
+    normalize: StrictBool = True
+    dimensions: Dimensions | None = None
     encoding_format: Encoding = "float"
 
 
 class HybridRequest(EmbedAllRequest):
     inputs: Input
-    outputs: list[Output] | None = None  # default: every output the model has (/info "outputs")
-    normalize: bool = True
-    dimensions: StrictInt | None = None
+    outputs: Outputs | None = None  # default: every output the model has (/info "outputs")
+    normalize: StrictBool = True
+    dimensions: Dimensions | None = None
     encoding_format: Encoding = "float"
 
 
