@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections import Counter
@@ -42,6 +43,103 @@ OWNED_KINDS = [("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodD
                ("autoscaling/v2", "HorizontalPodAutoscaler"), R.SERVICEMONITOR, R.HTTPROUTE, R.SCALEDOBJECT]
 AGGREGATED_DISCOVERY = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList,application/json"
 VOLATILE_META = ("managedFields", "resourceVersion", "generation", "creationTimestamp", "uid", "selfLink")
+# HTTP statuses that mean the API server (or etcd behind it) is unavailable, not that a request was wrong
+UNAVAILABLE_STATUSES = (502, 503, 504)
+
+
+def unavailable_reason(exc: BaseException) -> str | None:
+    """A short reason when `exc` means the API server cannot be reached or is unavailable (connection refused
+    or reset, a timeout, 502/503/504), else None: such failures are expected during an outage, get a one-line
+    log message and no traceback; anything else may be a bug and keeps its traceback."""
+    import urllib3
+
+    if isinstance(exc, ApiException):
+        if exc.status in UNAVAILABLE_STATUSES:
+            return f"HTTP {exc.status} {exc.reason or ''}".strip()
+        if exc.status == 0 and "SSL" in str(exc.reason or ""):
+            return "SSLError"
+        return None
+    if isinstance(exc, (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError)):
+        root = exc
+        while True:  # MaxRetryError(reason=NewConnectionError(... ConnectionRefusedError))
+            nxt = getattr(root, "reason", None)
+            if not isinstance(nxt, BaseException) or nxt is root:
+                break
+            root = nxt
+        text = str(root).splitlines()[0] if str(root) else ""
+        m = re.search(r"\[Errno \d+\] [^'\")]+|timed out|Connection aborted|Connection reset|Connection refused",
+                      text)
+        return f"{type(root).__name__}: {m.group(0) if m else text[:120]}".rstrip(": ")
+    return None
+
+
+class ApiHealth:
+    """Whether the API server answers, judged from the outcome of every request the operator sends.
+
+    `failed(exc)` marks it unavailable (for the failures `unavailable_reason` recognizes) and logs
+    "API server unreachable: <reason>, retrying" at most once per `log_every` seconds per reason;
+    `ok()` (any HTTP answer that is not 502/503/504) after such failures marks it reachable again, logs once
+    and calls the `on_recovered(outage_seconds)` callbacks (the controller re-queues failed services and wakes
+    the watches then, instead of waiting for their back-off)."""
+
+    def __init__(self, log_every: float = 30.0):
+        self._lock = threading.Lock()
+        self.down_since: float | None = None
+        self.failures = 0
+        self.log_every = log_every
+        self._logged: dict[str, float] = {}
+        self.on_recovered: list[Callable[[float], None]] = []
+        self.outages = 0
+
+    @property
+    def available(self) -> bool:
+        return self.down_since is None
+
+    def failed(self, exc: BaseException) -> bool:
+        """Record `exc`; True when it is an availability failure (logged here, rate-limited)."""
+        reason = unavailable_reason(exc)
+        if reason is None:
+            return False
+        now = time.monotonic()
+        with self._lock:
+            if self.down_since is None:
+                self.down_since = now
+                self.outages += 1
+            self.failures += 1
+            kind = reason.split(":")[0]
+            last = self._logged.get(kind)
+            say = last is None or now - last >= self.log_every
+            if say:
+                self._logged[kind] = now
+        if say:
+            log.warning("API server unreachable: %s; retrying", reason)
+        return True
+
+    def ok(self) -> None:
+        if self.down_since is None:  # the common case, without the lock
+            return
+        with self._lock:
+            if self.down_since is None:
+                return
+            now = time.monotonic()
+            outage, self.down_since = now - self.down_since, None
+            failures, self.failures = self.failures, 0
+            # the "unreachable" messages keep their rate limit across recoveries: a flapping API server (etcd
+            # away: some requests answered from its cache, others time out) logs a line per `log_every`
+            say = now - self._logged.get("reachable", -1e9) >= self.log_every
+            if say:
+                self._logged["reachable"] = now
+        done = []
+        for fn in list(self.on_recovered):
+            try:
+                what = fn(outage)
+            except Exception:  # noqa: BLE001 - a callback bug must not break requests
+                log.exception("recovery callback failed")
+                continue
+            if what:
+                done.append(what)
+        (log.info if say else log.debug)("API server reachable again after %.1f s (%d failed requests)%s",
+                                         outage, failures, "".join(f"; {d}" for d in done))
 
 
 def is_subset(desired: Any, live: Any) -> bool:
@@ -74,6 +172,7 @@ class Kube:
         self._lock = threading.Lock()
         self.writes = 0  # counted for tests and logs
         self.requests: Counter = Counter()  # every request sent, by verb (GET, LIST, WATCH, PATCH, ...)
+        self.health = ApiHealth()  # fed by every request below
 
     @staticmethod
     def configuration() -> k8s.Configuration:
@@ -106,8 +205,27 @@ class Kube:
             verb = "WATCH" if any(k == "watch" for k, _ in query or []) else _read_verb(path)
         with self._lock:
             self.requests[verb] += 1
-        return self.api.call_api(method, url, header_params=headers, body=body, post_params=post,
-                                 _request_timeout=timeout)
+        try:
+            resp = self.api.call_api(method, url, header_params=headers, body=body, post_params=post,
+                                     _request_timeout=timeout)
+        except Exception as exc:
+            self.health.failed(exc)
+            raise
+        if resp.status in UNAVAILABLE_STATUSES:
+            self.health.failed(ApiException(status=resp.status, reason=resp.reason))
+        elif resp.status < 500:  # an answer; a 500 says nothing either way (etcd down, or one bad object)
+            self.health.ok()
+        return resp
+
+    def probe(self) -> bool:
+        """GET /readyz (allowed to every client): True when the API server says it is ready. Feeds `health`,
+        so a probe that succeeds after failures marks the API server reachable again."""
+        try:
+            resp = self._send("GET", "/readyz", None, None, "application/json", timeout=5, accept="*/*")
+            resp.read()
+        except Exception:  # noqa: BLE001 - recorded by _send
+            return False
+        return resp.status == 200
 
     def request(self, method: str, path: str, query: list | None = None, body: Any = None,
                 content_type: str = "application/json", accept: str = "application/json") -> Any:
@@ -248,6 +366,11 @@ class Kube:
             if any(r.get("kind") == kind for r in res.get("resources", [])):
                 found.add((api_version, kind))
         return frozenset(found)
+
+    def capabilities_cached(self) -> frozenset | None:
+        """The last discovery result (no request), or None when it was forgotten."""
+        with self._lock:
+            return self._caps[1] if self._caps else None
 
     def forget_capabilities(self) -> None:
         with self._lock:

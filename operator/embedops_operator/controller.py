@@ -31,6 +31,11 @@ log = logging.getLogger("embedops.controller")
 
 MANAGED = f"{R.LABEL_MANAGED_BY}={R.MANAGER}"
 COALESCE_SECONDS = 1.0
+# every FULL_RESYNC_EVERY-th resync (the first included) queues every service; the others only those whose
+# objects changed since their last successful reconcile (the watch events normally did that already)
+FULL_RESYNC_EVERY = 10
+PROBE_SECONDS = 1.0  # /readyz while the API server is unavailable
+RECOVERY_MIN_INTERVAL = 5.0  # re-queue failed services at most this often (a flapping API server)
 ES = (S.API_VERSION, S.KIND)
 # kind -> the label selector of its informer; the optional kinds are added when their CRD is served
 CORE_KINDS: dict[tuple[str, str], str | None] = {
@@ -74,6 +79,16 @@ class Controller:
         self.queue = WorkQueue(coalesce=COALESCE_SECONDS)
         self.workers = workers
         self.tombstones: dict[tuple[str, str], dict] = {}  # deleted EmbeddingServices not yet forgotten
+        # the API server's availability, from every request (apply.ApiHealth); when it answers again after
+        # failures, services that failed meanwhile are queued at once and the watches resume
+        self.health: A.ApiHealth = getattr(kube, "health", None) or A.ApiHealth()
+        self.health.on_recovered.append(self._recovered)
+        self._last_recovery = -1e9
+        # what each service's last successful full reconcile saw (see _fingerprint); a resync skips services
+        # whose fingerprint is unchanged, except every FULL_RESYNC_EVERY-th resync
+        self._seen: dict[tuple[str, str], tuple] = {}
+        self._resyncs = 0
+        self.skipped = 0  # resync skips, for tests and the benchmark
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -91,7 +106,8 @@ class Controller:
                     self.kube.watcher(api_version, kind, ns, selector),
                     on_event=partial(self._on_event, kind),
                     transform=TRANSFORMS.get(kind, W.strip_managed_fields),
-                    namespace=ns, selector=selector, index_label=INDEX_LABELS.get(kind, R.LABEL_SERVICE)))
+                    namespace=ns, selector=selector, index_label=INDEX_LABELS.get(kind, R.LABEL_SERVICE),
+                    health=self.health))
             self.cache.informers[(api_version, kind)] = infs
         for inf in infs:
             inf.start()
@@ -136,28 +152,113 @@ class Controller:
             key, full = item
             ok = True
             body = self.tombstones.pop(key, None)
+            seen = None
             try:
                 if body is not None and self.cache.get(*ES, *key) is None:
+                    self._seen.pop(key, None)
                     self.reconciler.forget(*key, body)
                     self.queue.forget(key)
                 else:
+                    # taken before: a change during the reconcile makes the next resync look again
+                    seen = self._fingerprint(key) if full else None
+                    self._seen.pop(key, None)
                     self.reconciler.reconcile(*key, apply_children=full)
-            except Exception:  # noqa: BLE001 - retried with a backoff
-                log.exception("reconcile of %s/%s failed", *key)
+                    if seen is not None:
+                        self._seen[key] = seen
+            except Exception as exc:  # noqa: BLE001 - retried with a backoff
+                self._seen.pop(key, None)
+                reason = A.unavailable_reason(exc)
+                if reason is None:  # not the API server being away: maybe a bug, keep the traceback
+                    log.exception("reconcile of %s/%s failed", *key)
+                else:  # reported once (rate-limited) by self.health; retried when it is back
+                    log.debug("reconcile of %s/%s failed: %s", *key, reason)
                 if body is not None:
                     self.tombstones.setdefault(key, body)
                 ok = False
             finally:
                 self.queue.done(key, ok)
 
+    # ------------------------------------------------------------------ API server outages
+    def _recovered(self, outage: float) -> str | None:
+        """The API server answers again: services whose reconcile failed meanwhile go now (their back-off,
+        up to 60 s, reset), and the informers waiting out a retry back-off (up to 30 s) retry now."""
+        now = time.monotonic()
+        if now - self._last_recovery < RECOVERY_MIN_INTERVAL:  # a flapping API server: back-offs apply
+            return None
+        self._last_recovery = now
+        n = self.queue.retry_failed_now()
+        with self._lock:
+            infs = [i for group in self.cache.informers.values() for i in group]
+        for inf in infs:
+            inf.wake()
+        return f"re-queued {n} services that failed meanwhile"
+
+    def _probe_loop(self) -> None:
+        """While requests fail because the API server is away, ask its /readyz every PROBE_SECONDS: the
+        moment it is ready the failed services are re-queued, whatever their back-offs and the informers'."""
+        while not self._stop.wait(PROBE_SECONDS):
+            if not self.health.available and hasattr(self.kube, "probe"):
+                self.kube.probe()
+
+    # ------------------------------------------------------------------ resync
+    def _fingerprint(self, key: tuple[str, str]) -> tuple | None:
+        """What a full reconcile of `key` reads, as resourceVersions from the caches: the EmbeddingService,
+        its children (by their service label), its Pods, the LiteLLM ConfigMap it names, and discovery.
+        None when a kind is not cached (read from the API server): such a service is never skipped."""
+        ns, name = key
+        parts: list = [self.cache.kube.capabilities_cached()] if hasattr(self.cache.kube, "capabilities_cached") \
+            else [None]
+        es_inf = self.cache.informer_for(*ES, ns)
+        if es_inf is None or not es_inf.synced:
+            return None
+        es = es_inf.get(ns, name)
+        if es is None:
+            return None
+        meta = es.get("metadata") or {}
+        parts.append((meta.get("resourceVersion"), meta.get("generation")))
+        kinds = [k for k in A.OWNED_KINDS if k not in R.OPTIONAL_KINDS or k in self.cache.informers] + [("v1", "Pod")]
+        for api_version, kind in kinds:
+            inf = self.cache.informer_for(api_version, kind, ns)
+            if inf is None or not inf.synced:
+                return None
+            parts.append(tuple(sorted(((o.get("metadata") or {}).get("name"),
+                                       (o.get("metadata") or {}).get("resourceVersion"))
+                                      for o in inf.indexed(ns, name))))
+        config_map = (((es.get("spec") or {}).get("litellm") or {}).get("configMapName"))
+        if config_map:
+            inf = self.cache.informer_for("v1", "ConfigMap", ns)
+            if inf is None or not inf.synced:
+                return None
+            parts.append(((inf.get(ns, config_map) or {}).get("metadata") or {}).get("resourceVersion"))
+        return tuple(parts)
+
+    def _service_keys(self) -> list[tuple[str, str]]:
+        infs = self.cache.informers.get(ES) or []
+        if infs and all(i.synced for i in infs):
+            return sorted({k for i in infs for k in i.keys()})
+        return self.reconciler.list_all()
+
     def resync(self) -> None:
+        """Refresh discovery, queue the services whose fingerprint changed since their last successful full
+        reconcile (every service on every FULL_RESYNC_EVERY-th resync), sweep LiteLLM entries."""
         self.cache.forget_capabilities()
         try:
             self.cache.capabilities()  # starts or stops the optional kinds' informers
         except Exception as exc:  # noqa: BLE001 - the API server may be away; next resync
-            log.warning("discovery failed: %s", W._short(exc))
-        for key in self.reconciler.list_all():
+            if not self.health.failed(exc):
+                log.warning("discovery failed: %s", W._short(exc))
+        full_pass = self._resyncs % FULL_RESYNC_EVERY == 0
+        self._resyncs += 1
+        skipped = 0
+        for key in self._service_keys():
+            seen = self._seen.get(key)
+            if not full_pass and seen is not None and seen == self._fingerprint(key):
+                skipped += 1
+                continue
             self.queue.add(key, True)
+        self.skipped += skipped
+        log.debug("resync: %s pass, %d unchanged services skipped", "full" if full_pass else "changed-only",
+                  skipped)
         self.reconciler.sweep_litellm()
 
     def _resync_loop(self) -> None:
@@ -165,8 +266,9 @@ class Controller:
         while not self._stop.wait(self.settings.resync_seconds):
             try:
                 self.resync()
-            except Exception:  # noqa: BLE001
-                log.exception("resync failed")
+            except Exception as exc:  # noqa: BLE001
+                if A.unavailable_reason(exc) is None:
+                    log.exception("resync failed")
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, sync_timeout: float = 60.0) -> "Controller":
@@ -188,6 +290,7 @@ class Controller:
         for n in range(self.workers):
             self._spawn(self._work, f"embedops-worker-{n}")
         self._spawn(self._resync_loop, "embedops-resync")
+        self._spawn(self._probe_loop, "embedops-probe")
         log.info("watch caches synced: %s", ", ".join(
             f"{kind} {sum(len(i.keys()) for i in group)}" for (_, kind), group in self.cache.informers.items()))
         return self

@@ -40,6 +40,10 @@ async def startup(settings: kopf.OperatorSettings, **_: object) -> None:
     settings.peering.standalone = True
     settings.scanning.disabled = True
     settings.execution.max_workers = 8
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        # urllib3 warns on every retry of every request while the API server is away; apply.ApiHealth logs
+        # one line per kind of failure instead
+        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     controller = Controller(A.Kube(), Settings.from_env())
     _state["controller"] = controller
     await asyncio.to_thread(controller.start)

@@ -96,7 +96,9 @@ class Reconciler:
                             observed.invalid = f"a rendered child was refused: {msg}"
                         else:
                             observed.apply_error = msg
-                        log.warning("%s/%s: apply failed: %s", namespace, name, msg)
+                        # an unavailable API server is reported once by apply.ApiHealth, not per service
+                        (log.debug if A.unavailable_reason(exc) else log.warning)(
+                            "%s/%s: apply failed: %s", namespace, name, msg)
                         if exc.status >= 500 or exc.status in (404, 409, 429):
                             self.kube.forget_capabilities()
             observed.deployment = self.kube.get("apps/v1", "Deployment", namespace, name)
@@ -135,8 +137,9 @@ class Reconciler:
                         del self._timers[key]
                 try:
                     self.reconcile(*key, apply_children=False)
-                except Exception:  # noqa: BLE001 - the resync loop retries
-                    log.exception("status recheck of %s/%s failed", *key)
+                except Exception as exc:  # noqa: BLE001 - the resync loop retries
+                    if A.unavailable_reason(exc) is None:
+                        log.exception("status recheck of %s/%s failed", *key)
 
             timer = threading.Timer(delay, fire)
             timer.daemon = True
@@ -183,8 +186,9 @@ class Reconciler:
         for ns in self.settings.namespaces or [None]:
             try:
                 LL.sweep(self.kube, ns)
-            except Exception:  # noqa: BLE001 - retried next resync
-                log.exception("LiteLLM sweep in %s failed", ns or "all namespaces")
+            except Exception as exc:  # noqa: BLE001 - retried next resync
+                if A.unavailable_reason(exc) is None:
+                    log.exception("LiteLLM sweep in %s failed", ns or "all namespaces")
 
     def forget(self, namespace: str, name: str, body: dict) -> None:
         key = (namespace, name)

@@ -60,7 +60,7 @@ class Informer:
     def __init__(self, name: str, list_page: Callable, watch_stream: Callable, *, on_event: EventFn | None = None,
                  transform: Callable[[dict], dict] = strip_managed_fields, page_size: int = 500,
                  watch_timeout: float = 300.0, max_backoff: float = 30.0, namespace: str | None = None,
-                 selector: str | None = None, index_label: str | None = None):
+                 selector: str | None = None, index_label: str | None = None, health=None):
         self.name = name
         # objects by (namespace, value of this label): a service's children without scanning them all
         self.index_label = index_label
@@ -78,6 +78,10 @@ class Informer:
         self._lock = threading.Lock()
         self._rv: str | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # ends a retry back-off early (the API server is reachable again)
+        # apply.ApiHealth or None: failures that mean "API server unavailable" are reported there (one
+        # rate-limited line for the whole operator) instead of a warning per informer per retry
+        self.health = health
         self._synced = threading.Event()
         self._closer: Callable[[], None] | None = None
         self._thread: threading.Thread | None = None
@@ -199,8 +203,13 @@ class Informer:
         self._thread.start()
         return self
 
+    def wake(self) -> None:
+        """Retry now if waiting out a back-off (a no-op while watching)."""
+        self._wake.set()
+
     def stop(self, join: float = 5.0) -> None:
         self._stop.set()
+        self._wake.set()
         closer = self._closer
         if closer:
             try:
@@ -280,10 +289,14 @@ class Informer:
                         self._replace([])
                     need_list = True
                 else:
-                    log.warning("%s: %s; retrying in %.0f s", self.name, _short(exc), backoff)
+                    if self.health is not None and self.health.failed(exc):
+                        log.debug("%s: %s; retrying in %.0f s", self.name, _short(exc), backoff)
+                    else:
+                        log.warning("%s: %s; retrying in %.0f s", self.name, _short(exc), backoff)
                     # resume from the last resourceVersion; a 410 then makes it list again
                     need_list = need_list or self._rv is None
-                self._stop.wait(backoff * (0.5 + random.random()))
+                self._wake.wait(backoff * (0.5 + random.random()))
+                self._wake.clear()
                 backoff = min(backoff * 2, self.max_backoff)
 
 

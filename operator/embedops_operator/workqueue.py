@@ -1,7 +1,8 @@
 """A work queue of EmbeddingService keys: each key waits at most once, and is never worked on by two threads.
 
 An event for a key that is already waiting merges into it (a full reconcile wins over a status-only one);
-an event for a key being worked on marks it to run again after. Failed keys come back after a backoff.
+an event for a key being worked on marks it to run again after. Failed keys come back after a backoff
+(0.5 s doubling to `max_backoff`), or at once with `retry_failed_now()` (the API server is back).
 With `coalesce` > 0 that run again waits `coalesce` seconds, merging every event meanwhile: a service whose
 spec changes many times a second is reconciled (its Deployment written) about once per window, not once per
 change, and the last change wins (fault test: 100 spec changes in 10 s).
@@ -91,10 +92,34 @@ class WorkQueue:
             old = self._timers.pop(key, None)
             if old:
                 old.cancel()
-            timer = threading.Timer(delay, lambda: (self._timers.pop(key, None), self.add(key, True)))
+            def fire() -> None:
+                with self._cond:
+                    if self._timers.get(key) is not timer:
+                        return  # cancelled (retry_failed_now, forget) after it had started
+                    del self._timers[key]
+                self.add(key, True)
+            timer = threading.Timer(delay, fire)
             timer.daemon = True
             self._timers[key] = timer
             timer.start()
+
+    def retry_failed_now(self) -> int:
+        """Every key waiting out a failure back-off is queued now and its back-off reset (the API server is
+        reachable again: what failed during the outage need not wait up to `max_backoff`). Returns how many."""
+        with self._cond:
+            if self._closed:
+                return 0
+            timers, self._timers = self._timers, {}
+            self._failures.clear()
+        for key, timer in timers.items():
+            timer.cancel()
+            self.add(key, True)
+        return len(timers)
+
+    def failing(self) -> int:
+        """Keys waiting out a failure back-off."""
+        with self._cond:
+            return len(self._timers)
 
     def forget(self, key: Key) -> None:
         with self._cond:
