@@ -56,6 +56,8 @@ def unavailable_reason(exc: BaseException) -> str | None:
     if isinstance(exc, ApiException):
         if exc.status in UNAVAILABLE_STATUSES:
             return f"HTTP {exc.status} {exc.reason or ''}".strip()
+        if exc.status == 500 and "etcdserver" in str(exc.body or ""):  # etcd away behind the API server
+            return "HTTP 500 etcdserver unavailable"
         if exc.status == 0 and "SSL" in str(exc.reason or ""):
             return "SSLError"
         return None
@@ -126,7 +128,8 @@ class ApiHealth:
             failures, self.failures = self.failures, 0
             # the "unreachable" messages keep their rate limit across recoveries: a flapping API server (etcd
             # away: some requests answered from its cache, others time out) logs a line per `log_every`
-            say = now - self._logged.get("reachable", -1e9) >= self.log_every
+            # a blip (the last in-flight request answered while the API server shuts down) is not news
+            say = outage >= 1.0 and now - self._logged.get("reachable", -1e9) >= self.log_every
             if say:
                 self._logged["reachable"] = now
         done = []

@@ -167,11 +167,12 @@ class Controller:
                         self._seen[key] = seen
             except Exception as exc:  # noqa: BLE001 - retried with a backoff
                 self._seen.pop(key, None)
-                reason = A.unavailable_reason(exc)
-                if reason is None:  # not the API server being away: maybe a bug, keep the traceback
+                # the API server being away is reported once (rate-limited) by self.health, and the key is
+                # retried as soon as it answers; anything else may be a bug: keep the traceback
+                if self.health.failed(exc):
+                    log.debug("reconcile of %s/%s failed: %s", *key, A.unavailable_reason(exc))
+                else:
                     log.exception("reconcile of %s/%s failed", *key)
-                else:  # reported once (rate-limited) by self.health; retried when it is back
-                    log.debug("reconcile of %s/%s failed: %s", *key, reason)
                 if body is not None:
                     self.tombstones.setdefault(key, body)
                 ok = False

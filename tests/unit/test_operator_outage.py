@@ -37,6 +37,9 @@ def test_unavailable_reason_tells_an_outage_from_a_bug():
     assert A.unavailable_reason(ApiException(status=503, reason="Service Unavailable")) == \
         "HTTP 503 Service Unavailable"
     assert A.unavailable_reason(ApiException(status=504)) == "HTTP 504"
+    etcd = ApiException(status=500)
+    etcd.body = '{"kind":"Status","message":"etcdserver: request timed out","code":500}'
+    assert A.unavailable_reason(etcd) == "HTTP 500 etcdserver unavailable"
     for exc in (ApiException(status=500), ApiException(status=422), ApiException(status=404), KeyError("x"),
                 ValueError("bad")):
         assert A.unavailable_reason(exc) is None, exc
@@ -54,6 +57,7 @@ def test_api_health_logs_once_per_kind_and_reports_the_recovery(caplog):
         assert health.failed(ApiException(status=503, reason="Service Unavailable"))
         assert not health.failed(ValueError("a bug"))  # not counted, not logged here
         assert not health.available
+        health.down_since -= 2  # an outage of 2 s (shorter blips are logged at debug only)
         health.ok()
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3, lines
