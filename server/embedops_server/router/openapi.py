@@ -3,12 +3,14 @@ server enforces (from its flags and the model), its error bodies, and its auth.
 
 FastAPI builds the document from the routes and request models; `contract()` then
 * keeps only operations the loaded model serves (the others answer 424): an operation's `x-embedops-tasks`
-  (openapi_extra) must include the model's task, and its `x-embedops-outputs` must be outputs it has,
+  (openapi_extra) must include the model's task, and its `x-embedops-outputs` must be outputs it has (a list:
+  for any task; a dict: per task, e.g. /embed_sparse needs bge-m3's sparse head of an embedder, not of SPLADE),
 * replaces the `x-embedops` markers of router/schemas.py with this server's values: `batch` (maxItems =
   --max-client-batch-size), `batch-1` (the same less one: /similarity counts the source sentence),
   `token-id` (maximum = vocabulary size - 1), `dimensions` (maximum = the embedding size), `prompt-name` (enum
   of the model's prompts), `chars` (maxLength of a /tokenize text), `model-id` (the one served model),
-  `outputs` (enum of the outputs the model has, ModelInfo.outputs),
+  `outputs` (enum of the outputs the model has, ModelInfo.outputs), `colbert-dimensions` (maximum = the
+  ColBERT vector size),
 * drops FastAPI's default 422 body (`{"detail": [...]}`), which this server never sends, and gives an
   operation that runs the model (it has `x-embedops-tasks`) the inference errors it does not declare itself,
 * declares the bearer scheme and 401 on the protected routes when --api-key is set.
@@ -85,11 +87,15 @@ def contract(doc: dict, settings, svc) -> dict:
 
 def _serves(svc, op: dict) -> bool:
     """An operation's `x-embedops-tasks` name the model tasks it serves; `x-embedops-outputs` the outputs
-    (ModelInfo.outputs, e.g. bge-m3's colbert head) the model must have. Without them it is always listed."""
+    (ModelInfo.outputs, e.g. bge-m3's colbert head) the model must have, for any task (a list) or per task (a
+    dict: task -> outputs). Without them it is always listed."""
     if TASKS in op and svc.info.task not in op[TASKS]:
         return False
     have = getattr(svc.info, "outputs", None) or []
-    return all(o in have for o in op.get(OUTPUTS, ()))
+    need = op.get(OUTPUTS, ())
+    if isinstance(need, dict):
+        need = need.get(svc.info.task, ())
+    return all(o in have for o in need)
 
 
 def _str_keys(d: dict) -> dict:
@@ -113,6 +119,9 @@ def _limits(settings, svc) -> dict:
     size = svc.backend.hidden_size if svc.info.task == EMBEDDER else svc.info.config.get("vocab_size")
     if size:
         out["dimensions"] = {"maximum": int(size)}
+    heads = getattr(svc.backend, "heads", None)
+    colbert_dim = getattr(heads, "colbert_dim", None) if heads is not None else None
+    out["colbert-dimensions"] = {"maximum": int(colbert_dim)} if colbert_dim else {}
     outputs = list(getattr(svc.info, "outputs", None) or [])
     out["outputs"] = {"enum": outputs} if outputs else _DROP
     prompts = sorted(svc.info.prompts)

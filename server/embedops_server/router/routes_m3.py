@@ -14,27 +14,30 @@ import time
 from typing import Annotated, Literal
 
 import numpy as np
+import orjson
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from pydantic import StrictBool
 
 from ..core.errors import BACKEND, VALIDATION
 from ..core.model_info import COLBERT, DENSE, EMBEDDER, LEXICAL, SPARSE
 from . import routes_tei, scoring
 from .errors import ApiError
-from .routes_tei import _count, _json, _observe
-from .schemas import Dimensions, EmbedAllRequest, Input, doc
-from .state import _disconnected
+from .openapi import OUTPUTS, TASKS
+from .routes_tei import INFERENCE_ERRORS, NUMPY, _count, _observe
+from .schemas import COLBERT_OK, HYBRID_OK, SPARSE_OK, Dimensions, EmbedAllRequest, Input, Int, doc
 
 router = APIRouter()
 
 Output = Annotated[Literal["dense", "sparse", "colbert"], doc(x_embedops="outputs")]  # the model's own, in /openapi.json
 Outputs = Annotated[list[Output], doc(minItems=1)]
 Encoding = Literal["float", "base64"]
+ColbertDimensions = Annotated[Int, doc(minimum=1, x_embedops="colbert-dimensions")]
 
 
 class ColbertRequest(EmbedAllRequest):
     normalize: StrictBool = True
-    dimensions: Dimensions | None = None
+    dimensions: ColbertDimensions | None = None
     encoding_format: Encoding = "float"
 
 
@@ -42,55 +45,61 @@ class HybridRequest(EmbedAllRequest):
     inputs: Input
     outputs: Outputs | None = None  # default: every output the model has (/info "outputs")
     normalize: StrictBool = True
-    dimensions: Dimensions | None = None
+    dimensions: Dimensions | None = None  # the dense size; over the ColBERT size with colbert asked: 422
     encoding_format: Encoding = "float"
 
 
 _HEAD_FILE = {LEXICAL: "sparse_linear.pt", COLBERT: "colbert_linear.pt"}
 
 
+def _doc(ok: dict, outputs, tasks=(EMBEDDER,)) -> dict:
+    """As routes_tei._doc, plus the outputs the model must have to list the route (router/openapi.py)."""
+    return {"responses": {**ok, **INFERENCE_ERRORS}, "openapi_extra": {TASKS: list(tasks), OUTPUTS: outputs}}
+
+
 def m3_info(svc) -> dict:
     """/info additions: the outputs the multi-output routes can give, and the ColBERT vector size."""
+    return {"outputs": svc.info.outputs, "colbert_dim": _colbert_dim(svc)}
+
+
+def _colbert_dim(svc) -> int | None:
     heads = getattr(svc.backend, "heads", None)
-    return {"outputs": svc.info.outputs, "colbert_dim": heads.colbert_dim if heads is not None else None}
+    return heads.colbert_dim if heads is not None else None
 
 
-def _require(st, wanted: list[str]):
-    svc = st.require_task(EMBEDDER)
+def _require(svc, wanted: list[str]) -> None:
     have = svc.info.outputs
     missing = [o for o in wanted if o not in have]
     if missing:
         o = missing[0]
         raise ApiError(BACKEND, f"Model is not a bge-m3 model with a {o} head: its folder has no {_HEAD_FILE[o]}; "
                                 f"its outputs: {', '.join(have)}")  # "Model is not": metrics label model_type
-    return svc
 
 
-async def _run(request: Request, st, svc, body, outputs: list[str]):
-    """As AppState.run (admit, queue, drop on disconnect), for a multi-output request; + metrics."""
+def _check_dimensions(svc, dimensions: int | None, wanted: list[str]) -> None:
+    """Before any inference, like /embed: 1..the size of every vector output asked for."""
+    if dimensions is None:
+        return
+    sizes = ([svc.backend.hidden_size] if DENSE in wanted else []) + ([_colbert_dim(svc)] if COLBERT in wanted else [])
+    top = min([s for s in sizes if s] or [dimensions])
+    if not 1 <= dimensions <= top:
+        raise ApiError(VALIDATION, f"Input validation error: `dimensions` must be between 1 and {top}")
+
+
+async def _run(request: Request, body, wanted: list[str]):
+    """The checks in TEI's order (the task, then the texts: an empty text is 400 whatever else is wrong, then the
+    heads and limits), then AppState.run with the outputs; + metrics."""
+    st = request.app.state.embedops
     t0 = time.perf_counter()
+    svc = st.require_task(EMBEDDER)
     texts = st.texts(svc, body.inputs, st.prompt(svc, body.prompt_name))
-    engine = svc.engine
-    n = len(texts)
-    engine.admit(n)
-    try:
-        req = engine.submit(texts, st.truncate(body.truncate), body.truncation_direction.lower(), False, outputs)
-        watcher = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait((req.future, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-        if not req.future.done():
-            req.cancelled = True
-            req.future.cancel()
-            st.metrics.c.inc("te_request_failure", err="dropped")
-            raise ApiError("ClientClosedRequest", "client disconnected")
-        results = req.future.result()
-    finally:
-        engine.release(n)
-    _count(st, "embed", n, True, t0)
+    _require(svc, wanted)
+    _check_dimensions(svc, getattr(body, "dimensions", None), wanted)
+    results, req = await st.run(request, svc, texts, st.truncate(body.truncate), body.truncation_direction,
+                                outputs=wanted)
+    _count(st, "embed", len(texts), True, t0)
     _observe(st, req)
-    return results, req, t0
+    return st, svc, results, req, t0
 
 
 def _b64(a: np.ndarray) -> str:
@@ -116,45 +125,43 @@ def lexical(rows: list[tuple[np.ndarray, np.ndarray]]) -> list[list[dict]]:
     return [[{"index": i, "value": x} for i, x in zip(ids.tolist(), w.tolist())] for ids, w in rows]
 
 
-@router.post("/embed_sparse", include_in_schema=False)
+# x-embedops-tasks / -outputs: the OpenAPI document lists an operation only for models that serve it (/embed_sparse:
+# SPLADE, and embedders with bge-m3's sparse head; /embed_colbert: those with its colbert head).
+@router.post("/embed_sparse", tags=["TEI", "bge-m3"],
+             summary="Sparse vectors (non-zero entries): SPLADE, or a bge-m3 model's lexical weights",
+             **_doc(SPARSE_OK, {EMBEDDER: [LEXICAL]}, tasks=(SPARSE, EMBEDDER)))
 async def embed_sparse(request: Request, body: EmbedAllRequest):
     """TEI's route: SPLADE models as before (routes_tei), bge-m3 models from their sparse head."""
     st = request.app.state.embedops
     svc = st.svc()
-    if svc.info.task == SPARSE:
+    if svc.info.task != EMBEDDER:  # SPLADE, or TEI's 424 naming what the model is
         return await routes_tei.embed_sparse(request, body)
-    if svc.info.task == EMBEDDER and LEXICAL not in svc.info.outputs:
+    if LEXICAL not in svc.info.outputs:
+        st.texts(svc, body.inputs, None)  # an empty text is 400 first
         raise ApiError(BACKEND, "Model is not a sparse model: neither SPLADE (*ForMaskedLM) nor an embedder with a "
                                 "bge-m3 sparse head (sparse_linear.pt)")
-    svc = _require(st, [LEXICAL])
-    results, req, t0 = await _run(request, st, svc, body, [LEXICAL])
-    return _json(lexical([r[LEXICAL] for r in results]), st.headers(req, t0))
+    st, svc, results, req, t0 = await _run(request, body, [LEXICAL])
+    return await _json(lexical([r[LEXICAL] for r in results]), st.headers(req, t0))
 
 
-# x-embedops-tasks / -outputs: the OpenAPI document lists an operation only for models that serve it.
-@router.post("/embed_colbert", tags=["bge-m3"],
-             openapi_extra={"x-embedops-tasks": ["embedding"], "x-embedops-outputs": ["colbert"]},
+@router.post("/embed_colbert", tags=["bge-m3"], **_doc(COLBERT_OK, [COLBERT]),
              summary="ColBERT multi-vectors (bge-m3 colbert head): per input one vector per token after the first")
 async def embed_colbert(request: Request, body: ColbertRequest):
-    st = request.app.state.embedops
-    svc = _require(st, [COLBERT])
-    results, req, t0 = await _run(request, st, svc, body, [COLBERT])
+    st, svc, results, req, t0 = await _run(request, body, [COLBERT])
     vecs = colbert([r[COLBERT] for r in results], body.dimensions, body.normalize)
     out = [_b64(v) for v in vecs] if body.encoding_format == "base64" else vecs
-    return _json(out, st.headers(req, t0))
+    return await _json(out, st.headers(req, t0))
 
 
-@router.post("/embed_hybrid", tags=["bge-m3"], openapi_extra={"x-embedops-tasks": ["embedding"]},
+@router.post("/embed_hybrid", tags=["bge-m3"], **_doc(HYBRID_OK, []),
              summary="Any of dense, sparse (lexical weights) and ColBERT vectors per input, from one forward")
 async def embed_hybrid(request: Request, body: HybridRequest):
-    st = request.app.state.embedops
-    svc = st.require_task(EMBEDDER)
     if body.outputs is not None and not body.outputs:
         raise ApiError(VALIDATION, "Input validation error: `outputs` must name at least one of dense, sparse, "
                                    "colbert")
+    svc = request.app.state.embedops.require_task(EMBEDDER)
     wanted = list(dict.fromkeys(body.outputs)) if body.outputs else list(svc.info.outputs)
-    svc = _require(st, wanted)
-    results, req, t0 = await _run(request, st, svc, body, wanted)
+    st, svc, results, req, t0 = await _run(request, body, wanted)
     cols: dict[str, list] = {}
     if DENSE in wanted:
         d = scoring.dense([r[DENSE] for r in results], body.dimensions, body.normalize, svc.backend.hidden_size)
@@ -165,4 +172,31 @@ async def embed_hybrid(request: Request, body: HybridRequest):
         c = colbert([r[COLBERT] for r in results], body.dimensions, body.normalize)
         cols[COLBERT] = [_b64(v) for v in c] if body.encoding_format == "base64" else c
     out = [{k: cols[k][i] for k in wanted} for i in range(len(results))]
-    return _json(out, st.headers(req, t0))
+    return await _json(out, st.headers(req, t0))
+
+
+OFF_LOOP_FLOATS = 1 << 16  # ~30 ms of orjson: above this a body is serialized in a worker thread
+
+
+async def _json(rows: list, headers: dict) -> Response:
+    """orjson, as routes_tei._json. A large body (ColBERT floats: ~1.6 s for 32 x 256 x 384) is serialized in a
+    worker thread, one input at a time: orjson holds the GIL while it runs, so one call per input lets the event
+    loop (other requests, the engine's results) run between them instead of waiting for the whole body."""
+    if _floats(rows) < OFF_LOOP_FLOATS:
+        body = orjson.dumps(rows, option=NUMPY)
+    else:
+        body = await asyncio.to_thread(_dumps_rows, rows)
+    return Response(body, media_type="application/json", headers=headers)
+
+
+def _dumps_rows(rows: list) -> bytes:
+    return b"[" + b",".join(orjson.dumps(r, option=NUMPY) for r in rows) + b"]"
+
+
+def _floats(rows: list) -> int:
+    """About how many numbers the JSON body has (arrays count by size; base64 strings and sparse lists as 1)."""
+    n = 0
+    for r in rows:
+        for v in (r.values() if isinstance(r, dict) else (r,)):
+            n += v.size if isinstance(v, np.ndarray) else 1
+    return n

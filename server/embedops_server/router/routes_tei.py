@@ -14,7 +14,7 @@ from ..core.model_info import CLASSIFIER, EMBEDDER, RERANKER, SPARSE
 from . import errors, scoring
 from .errors import ApiError
 from .openapi import TASKS
-from .schemas import (DECODE_OK, EMBED_ALL_OK, EMBED_OK, PREDICT_OK, RERANK_OK, SIMILARITY_OK, SPARSE_OK, TOKENIZE_OK,
+from .schemas import (DECODE_OK, EMBED_ALL_OK, EMBED_OK, PREDICT_OK, RERANK_OK, SIMILARITY_OK, TOKENIZE_OK,
                       DecodeRequest, EmbedAllRequest, EmbedRequest, PredictRequest, RerankRequest, SimilarityRequest,
                       TokenizeRequest)
 
@@ -91,8 +91,8 @@ async def embed_all(request: Request, body: EmbedAllRequest):
     return _json([np.ascontiguousarray(r, dtype=np.float32) for r in results], st.headers(req, t0))
 
 
-@router.post("/embed_sparse", tags=["TEI"], summary="SPLADE sparse vectors (non-zero entries)",
-             **_doc(SPARSE_OK, SPARSE))
+# documented by routes_m3's /embed_sparse (first on the path), which defers here for SPLADE models
+@router.post("/embed_sparse", include_in_schema=False)
 async def embed_sparse(request: Request, body: EmbedAllRequest):
     st = _state(request)
     results, req, t0 = await _embed_like(request, body, False, (SPARSE,))

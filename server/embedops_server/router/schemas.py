@@ -169,6 +169,14 @@ _MODEL_CARD = {"type": "object", "required": ["id", "object", "created", "owned_
                               "created": {"type": "integer"}, "owned_by": {"type": "string"}}}
 
 EMBED_OK = ok({"type": "array", "items": _VEC}, "One vector per input")
+_B64 = {"type": "string", "contentEncoding": "base64"}
+_COLBERT = {"anyOf": [{"type": "array", "items": _VEC}, _B64]}  # tokens x colbert_dim, or its float32 base64
+COLBERT_OK = ok({"type": "array", "items": _COLBERT},
+                "Per input, one vector per token after the first (or their little-endian float32, base64)")
+HYBRID_OK = ok({"type": "array", "items": {
+    "type": "object", "properties": {"dense": {"anyOf": [_VEC, _B64]},
+                                     "sparse": {"type": "array", "items": _SPARSE_ITEM}, "colbert": _COLBERT}}},
+    "Per input, the outputs asked for (default: all the model has)")
 EMBED_ALL_OK = ok({"type": "array", "items": {"type": "array", "items": _VEC}}, "Per input, one vector per token")
 SPARSE_OK = ok({"type": "array", "items": {"type": "array", "items": _SPARSE_ITEM}},
                "Per input, its non-zero entries")

@@ -97,13 +97,14 @@ class AppState:
             raise ApiError(VALIDATION, f"batch size {n} > maximum allowed batch size {limit}")
 
     async def run(self, request: Request, svc: Service, texts: Sequence, truncate: bool, direction: str,
-                  need_tokens: bool = False):
-        """Admit, queue and await inputs; drop them if the client goes away. Returns (results, engine request)."""
+                  need_tokens: bool = False, outputs: Sequence[str] | None = None):
+        """Admit, queue and await inputs; drop them if the client goes away. Returns (results, engine request).
+        ``outputs``: a multi-output (bge-m3) request, see Engine.submit; each result is then a dict of them."""
         engine = svc.engine
         n = len(texts)
         engine.admit(n)  # raises Overloaded (429 + Retry-After) at once
         try:
-            req = engine.submit(texts, truncate, direction.lower(), need_tokens)
+            req = engine.submit(texts, truncate, direction.lower(), need_tokens, outputs)
             fut = req.future
             watcher = asyncio.ensure_future(_disconnected(request))
             try:
