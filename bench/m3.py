@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows: dict[str, list[float]] = {k: [] for k in variants}
     sizes: dict[str, int] = {}
-    with target.server.start():
+    with target.server:  # __enter__ starts it (start() here too would leak a second server)
         for name, (path, body) in variants.items():  # warm-up + response size of one 32 x 256 request
             r = httpx.post(target.server.url + path, json=body(batches[0]), timeout=300)
             r.raise_for_status()
