@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from tests.waiting import wait_until as wait_for  # re-exported: the HA, fault and watch-cache tests import it here
+
 REPO = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "embedops.dev", "v1alpha1", "embeddingservices"
 CRD = REPO / "crds" / "embedops.dev_embeddingservices.yaml"
@@ -23,18 +25,6 @@ CPU_SPEC = {"model": {"id": "/models/all-MiniLM-L6-v2", "maxInputLength": 256},
             "monitoring": {"serviceMonitor": {"enabled": False}}}
 
 
-def wait_for(what: str, fn, timeout: float = 60, interval: float = 0.25):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-        except Exception as exc:  # noqa: BLE001 - keep polling, report the last error
-            last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
 
 
 class OperatorProcess:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import wait_until as wait_for
+
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,18 +62,6 @@ def kstatus_of(obj: dict) -> str | None:
     return json.loads(out.stdout.splitlines()[0])["status"]
 
 
-def wait_for(what: str, fn, timeout: float = 60, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-        except Exception as exc:  # noqa: BLE001 - keep polling, report the last error
-            last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 class OperatorThread:
