@@ -108,16 +108,7 @@ def _b64(a: np.ndarray) -> str:
 
 def colbert(rows: list[np.ndarray], dimensions: int | None, normalize: bool) -> list[np.ndarray]:
     """Per input [tokens - 1, d]: MRL-style truncation first, then L2 normalization per token vector."""
-    out = []
-    for v in rows:
-        if dimensions is not None:
-            if dimensions <= 0 or dimensions > v.shape[1]:
-                raise ApiError(VALIDATION, f"Input validation error: `dimensions` must be between 1 and {v.shape[1]}")
-            v = v[:, :dimensions]
-        if normalize:
-            v = v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
-        out.append(np.ascontiguousarray(v, dtype=np.float32))
-    return out
+    return [scoring.truncate_normalize(v, dimensions, normalize) for v in rows]
 
 
 def lexical(rows: list[tuple[np.ndarray, np.ndarray]]) -> list[list[dict]]:

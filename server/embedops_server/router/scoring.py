@@ -8,13 +8,18 @@ from .errors import ApiError
 
 
 def dense(results: list, dimensions: int | None, normalize: bool, hidden: int) -> np.ndarray:
-    v = np.stack(results).astype(np.float32, copy=False)
+    return truncate_normalize(np.stack(results), dimensions, normalize)
+
+
+def truncate_normalize(v: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
+    """Rows of v [n, d] (pooled vectors, or one input's ColBERT token vectors): MRL truncation to `dimensions`,
+    then L2 normalization per row, as TEI and sentence-transformers do (in that order); float32 throughout."""
+    v = v.astype(np.float32, copy=False)
     if dimensions is not None:
         if dimensions <= 0 or dimensions > v.shape[1]:
             raise ApiError(VALIDATION, f"Input validation error: `dimensions` must be between 1 and {v.shape[1]}")
         v = v[:, :dimensions]
     if normalize:
-        # Normalize after MRL truncation, as TEI and sentence-transformers do.
         v = v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
     return np.ascontiguousarray(v)
 
