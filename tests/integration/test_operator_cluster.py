@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.operator_process import delete_cluster_scoped
 from tests.waiting import wait_until as wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -547,14 +548,6 @@ def test_operator_works_with_only_the_charts_rbac(ctx, operator, tmp_path):
     finally:
         logging.getLogger().removeHandler(handler)
         os.environ["KUBECONFIG"] = admin_kubeconfig
-        rbac = client.RbacAuthorizationV1Api(ctx.api)
-        for d in docs:
-            try:
-                if d["kind"] == "ClusterRole":
-                    rbac.delete_cluster_role(d["metadata"]["name"])
-                elif d["kind"] == "ClusterRoleBinding":
-                    rbac.delete_cluster_role_binding(d["metadata"]["name"])
-            except Exception:  # noqa: BLE001 - best-effort cleanup of cluster-scoped objects
-                pass
+        delete_cluster_scoped(ctx.api, docs)
     forbidden = [r for r in records if "forbidden" in r.lower() or " 403" in r]
     assert not forbidden, forbidden
