@@ -412,7 +412,11 @@ def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> list[
         # each other's keys.
         manager = litellm_manager(service_name) if obj["kind"] == "ConfigMap" else R.MANAGER
         if needs_write(kube, obj, manager=manager):
-            kube.apply(obj, manager=manager)
+            try:
+                kube.apply(obj, manager=manager)
+            except ApiException as exc:
+                exc.failed_object = obj  # the reconciler names what failed (a CRD removed since discovery)
+                raise
             written.append(f"{obj['kind']}/{obj['metadata']['name']}")
     return written
 

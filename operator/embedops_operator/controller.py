@@ -163,7 +163,9 @@ class Controller:
                     seen = self._fingerprint(key) if full else None
                     self._seen.pop(key, None)
                     self.reconciler.reconcile(*key, apply_children=full)
-                    if seen is not None:
+                    if key in self.reconciler.unfinished:
+                        ok = False  # its status says why; retried with the key's back-off
+                    elif seen is not None:
                         self._seen[key] = seen
             except Exception as exc:  # noqa: BLE001 - retried with a backoff
                 self._seen.pop(key, None)

@@ -55,6 +55,7 @@ class Reconciler:
         self._locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
         self._guard = threading.Lock()
         self._timers: dict[tuple[str, str], tuple[float, threading.Timer]] = {}
+        self.unfinished: set[tuple[str, str]] = set()  # services whose last apply stopped at an API error
 
     def _lock(self, key: tuple[str, str]) -> threading.Lock:
         with self._guard:
@@ -66,6 +67,8 @@ class Reconciler:
     def reconcile(self, namespace: str, name: str, apply_children: bool = True) -> dict | None:
         """Bring one EmbeddingService's children and status up to date. Returns the written status or None."""
         with self._lock((namespace, name)):
+            with self._guard:
+                self.unfinished.discard((namespace, name))
             resource = self.kube.get(S.API_VERSION, S.KIND, namespace, name)
             if resource is None or resource["metadata"].get("deletionTimestamp"):
                 return None
@@ -92,7 +95,12 @@ class Reconciler:
                             log.info("%s/%s: applied %s, pruned %s", namespace, name, written, pruned)
                     except ApiException as exc:
                         msg = _api_message(exc)
-                        if exc.status in (400, 422):
+                        failed = getattr(exc, "failed_object", None) or {}
+                        gone = R.feature_of_kind((failed.get("apiVersion"), failed.get("kind")))
+                        if exc.status == 404 and gone:
+                            # its CRD was removed since discovery: the same as never installed, not an error
+                            observed.missing[gone] = failed["kind"]
+                        elif exc.status in (400, 422):
                             observed.invalid = f"a rendered child was refused: {msg}"
                         else:
                             observed.apply_error = msg
@@ -101,6 +109,10 @@ class Reconciler:
                             "%s/%s: apply failed: %s", namespace, name, msg)
                         if exc.status >= 500 or exc.status in (404, 409, 429):
                             self.kube.forget_capabilities()
+                        # the children after the failed one were not applied: the controller retries
+                        # with a back-off instead of taking this reconcile as done
+                        with self._guard:
+                            self.unfinished.add((namespace, name))
             observed.deployment = self.kube.get("apps/v1", "Deployment", namespace, name)
             observed.pods = self.kube.list("v1", "Pod", namespace, R.selector_string(name))
             written = self.write_status(resource, observed, options)

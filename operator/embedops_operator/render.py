@@ -569,6 +569,12 @@ def render(resource: dict, options: Options | None = None) -> list[dict]:
     return out
 
 
+def feature_of_kind(api_version_kind: tuple) -> str | None:
+    """The spec feature an optional kind serves ("monitoring", "routes", "autoscaling"), None for core kinds."""
+    return {SERVICEMONITOR: "monitoring", HTTPROUTE: "routes", SCALEDOBJECT: "autoscaling"}.get(
+        tuple(api_version_kind))
+
+
 def missing_capabilities(resource: dict, options: Options) -> dict[str, str]:
     """Requested optional features whose CRD is not installed: {feature: kind}."""
     spec = S.parse(resource).spec

@@ -136,6 +136,7 @@ class FakeReconciler:
     def __init__(self):
         self.calls: list[tuple[str, bool]] = []
         self.fail: set[str] = set()
+        self.unfinished: set[tuple[str, str]] = set()
 
     def reconcile(self, ns, name, apply_children=True):
         self.calls.append((name, apply_children))

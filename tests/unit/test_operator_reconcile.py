@@ -208,6 +208,34 @@ def test_missing_crds_reported_then_picked_up(kube):
     assert c["MonitoringReady"] == c["RoutesReady"] == "True"
 
 
+def test_crd_removed_since_discovery_is_reported_missing_and_retried(kube):
+    """Discovery still lists HTTPRoute (cached, or the API server's discovery lags the CRD's deletion) but its
+    apply answers 404: RoutesReady says CRDNotInstalled, not Applied, and the service is left unfinished so
+    the controller retries it instead of taking the reconcile as done."""
+    from kubernetes.client.rest import ApiException
+
+    spec = copy.deepcopy(MIG)
+    spec["gateway"] = {"parentRefs": [{"name": "gw"}]}
+    kube.create_service(spec)
+    applying = kube.apply
+
+    def apply_without_routes(obj, manager=R.MANAGER, dry_run=False):
+        if obj["kind"] == "HTTPRoute":
+            raise ApiException(status=404, reason="Not Found")
+        return applying(obj, manager=manager, dry_run=dry_run)
+    kube.apply = apply_without_routes
+    rec = Reconciler(kube, Settings())
+    status = rec.reconcile("ml", "svc")
+    c = {x["type"]: x for x in status["conditions"]}
+    assert (c["RoutesReady"]["status"], c["RoutesReady"]["reason"]) == ("False", "CRDNotInstalled")
+    assert c["Ready"]["reason"] != "ApplyFailed"
+    assert ("ml", "svc") in rec.unfinished
+    kube.apply = applying
+    status = rec.reconcile("ml", "svc")
+    assert {x["type"]: x["status"] for x in status["conditions"]}["RoutesReady"] == "True"
+    assert ("ml", "svc") not in rec.unfinished
+
+
 def test_shared_litellm_config_map_per_service_manager(kube):
     for name in ("a", "b"):
         spec = copy.deepcopy(MIG)
