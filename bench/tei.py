@@ -1,4 +1,4 @@
-"""Hugging Face text-embeddings-inference (TEI) as a bench peer: ``tei``, ``tei+int8`` and ``tei-candle``.
+"""Hugging Face text-embeddings-inference (TEI) as a bench peer: ``tei``, ``tei+int8``, ``tei+fused``, ``tei-candle``.
 
 TEI 1.9.3's ``text-embeddings-router`` is built from source by the kit in ``../shared/tei`` (its README; CPU
 features of TEI's own image: ``ort,candle,mkl,static-linking,http``) into ``~/.cache/tei-peer`` (override:
@@ -11,6 +11,8 @@ bench --build-tei``) runs the kit once, cached; without a build the TEI targets 
   its ORT backend cannot start, and without weights it fails loudly instead.
 - ``tei+int8`` (also ``tei+quantize=int8``): the same, with the int8 graph embedops makes for
   ``--quantize int8`` (``quantize_int8`` of that float32 file). TEI has no quality gate of its own.
+- ``tei+fused``: the same, with the fused graph embedops runs for one-query forwards (ONNX Runtime's offline
+  BERT fusions, ``fuse_for_latency``) for every TEI forward: what TEI does given that graph.
 - ``tei-candle``: TEI's candle backend (MKL) on the model folder itself (it has no ONNX file).
 - ``+flag=value`` parts become router flags (``tei+max-batch-requests=4``).
 
@@ -76,6 +78,7 @@ class TeiSpec:
     backend: str                 # "ort" | "candle"
     quantize: str | None = None  # "int8": the int8 graph embedops makes
     flags: list[str] = field(default_factory=list)
+    fused: bool = False          # the fused graph embedops' one-query forwards run (onnx_export.fuse_for_latency)
 
 
 def is_tei(name: str) -> bool:
@@ -92,14 +95,18 @@ def parse_tei(name: str) -> TeiSpec:
         k, eq, v = p.partition("=")
         if p in ("int8", "quantize=int8"):
             spec.quantize = "int8"
+        elif p == "fused":
+            spec.fused = True
         elif k == "quantize":
             raise ValueError(f"{name}: only quantize=int8 is known")
         elif not k:
             raise ValueError(f"{name}: empty part")
         else:
             spec.flags += [f"--{k}"] + ([v] if eq else [])
-    if spec.quantize and spec.backend != "ort":
-        raise ValueError(f"{name}: int8 runs the int8 ONNX graph, i.e. TEI's ORT backend (`tei+int8`)")
+    if (spec.quantize or spec.fused) and spec.backend != "ort":
+        raise ValueError(f"{name}: int8 and fused are ONNX graphs, i.e. TEI's ORT backend (`tei+int8`, `tei+fused`)")
+    if spec.quantize and spec.fused:
+        raise ValueError(f"{name}: the fused graph is float32 (embedops fuses only its float32 graph)")
     return spec
 
 
@@ -111,15 +118,18 @@ def peer_for(embedops_target: str) -> str:
 
 # ---------------------------------------------------------------- model folders
 
-def onnx_for(model_dir: Path, quantize: str | None) -> Path:
-    """The ONNX file the embedops server runs for ``model_dir`` (exported now if need be), int8 if asked."""
-    from embedops_server.backends.onnx_export import cache_dir, model_file, quantize_int8
+def onnx_for(model_dir: Path, quantize: str | None, fused: bool = False) -> Path:
+    """The ONNX file the embedops server runs for ``model_dir`` (exported now if need be), int8 if asked, or
+    the fused graph of its small forwards (the plain one when the model has none)."""
+    from embedops_server.backends.onnx_export import cache_dir, fuse_for_latency, model_file, quantize_int8
     from embedops_server.core.model_info import load_model_info
 
     info = load_model_info(model_dir)
     fp32 = Path(model_file(info))
     if quantize == "int8":
         return Path(quantize_int8(fp32, cache_dir(info, None)))
+    if fused:
+        return Path(fuse_for_latency(fp32, info, cache_dir(info, None)) or fp32)
     return fp32
 
 
@@ -195,13 +205,14 @@ def tei_target(name: str, model_dir: Path, *, rerank_model: Path | None = None, 
     if why:
         raise TeiUnavailable(why)
     src = Path(rerank_model or model_dir)
-    model = ort_folder(src, onnx_for(src, spec.quantize)) if spec.backend == "ort" else src
+    model = ort_folder(src, onnx_for(src, spec.quantize, spec.fused)) if spec.backend == "ort" else src
     port, prom = two_ports()
     argv = tei_argv(runner_path(home), model, port, prom, spec.flags)
     srv = TeiServer(name, argv, port, health="/health", log_dir=log_dir, prometheus_port=prom,
                     startup_timeout_s=120)
     t = api_target(name, srv, rerank=rerank_model is not None)
-    t.notes.append(f"TEI {TEI_VERSION} {spec.backend}" + (" int8" if spec.quantize else ""))
+    t.notes.append(f"TEI {TEI_VERSION} {spec.backend}" + (" int8" if spec.quantize else "")
+                   + (" fused graph" if spec.fused else ""))
     return t
 
 

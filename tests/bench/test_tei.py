@@ -20,7 +20,9 @@ def test_parse_names():
     assert tei.parse_tei("tei+quantize=int8").quantize == "int8"
     s = tei.parse_tei("tei-candle+max-batch-requests=2+auto-truncate")
     assert s.backend == "candle" and s.flags == ["--max-batch-requests", "2", "--auto-truncate"]
-    for bad in ("tei-candle+int8", "tei+quantize=int4", "teix", "embedops-onnx", "tei++x"):
+    assert tei.parse_tei("tei+fused").fused and not tei.parse_tei("tei").fused
+    for bad in ("tei-candle+int8", "tei+quantize=int4", "teix", "embedops-onnx", "tei++x", "tei-candle+fused",
+                "tei+int8+fused"):
         with pytest.raises(ValueError):
             tei.parse_tei(bad)
     assert tei.is_tei("tei+int8") and tei.is_tei("tei-candle") and not tei.is_tei("embedops-onnx")
@@ -92,11 +94,11 @@ def test_argv_has_distinct_ports(tmp_path, monkeypatch):
     assert t.embed_body(["a"]) == {"inputs": "a"}
 
     seen = []
-    monkeypatch.setattr(tei, "onnx_for", lambda d, q: seen.append(q) or (tmp_path / "g.onnx"))
+    monkeypatch.setattr(tei, "onnx_for", lambda d, q, fused=False: seen.append((q, fused)) or (tmp_path / "g.onnx"))
     monkeypatch.setattr(tei, "CACHE", tmp_path)
     t = tei.tei_target("tei+int8", m, rerank_model=m, log_dir=tmp_path, home=home)
     folder = Path(t.server.argv[t.server.argv.index("--model-id") + 1])
-    assert seen == ["int8"] and (folder / "onnx" / "model.onnx").is_symlink()
+    assert seen == [("int8", False)] and (folder / "onnx" / "model.onnx").is_symlink()
     assert t.rerank_path == "/rerank" and t.rerank_body("q", ["a", "b"]) == {"query": "q", "texts": ["a", "b"]}
 
 

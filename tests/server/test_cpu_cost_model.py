@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 
 from embedops_server.backends.base import Backend
 from embedops_server.cli import parse_args
@@ -298,3 +299,39 @@ def test_two_inference_threads_lingering_on_one_look_ahead_batch_both_survive(mo
         loop.close()
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("folder", ["onnx", "export"])
+def test_small_forwards_run_the_fused_graph_with_the_same_outputs(folder, monkeypatch, tmp_path):
+    """The spinning small-forward session runs ONNX Runtime's offline BERT fusions (Attention,
+    SkipLayerNormalization, ...); it is only used after it matched the plain graph, and gives the same
+    embeddings; EMBEDOPS_ORT_FUSE=0 keeps the plain graph."""
+    import numpy as np
+    import onnx
+    import tokenizers
+
+    from embedops_server.backends.ort_backend import OrtBackend
+    from embedops_server.core.engine import Batch
+    from embedops_server.core.model_info import load_model_info
+    from tests.models import minilm_dir, minilm_onnx_dir
+
+    root = minilm_onnx_dir() if folder == "onnx" else minilm_dir()
+    info = load_model_info(str(root), "mean", "main")
+    tok = tokenizers.Tokenizer.from_file(str(root / "tokenizer.json"))
+    tok.no_padding()
+    monkeypatch.delenv("EMBEDOPS_ORT_SMALL_TOKENS", raising=False)
+    monkeypatch.delenv("EMBEDOPS_ORT_FUSE", raising=False)
+    b = OrtBackend(info, threads=2, cache=str(tmp_path), tokenizer=tok)
+    assert b.latency_graph == "fused"
+    fused = next(tmp_path.glob("*/*.fused.onnx"))
+    ops = [n.op_type for n in onnx.load(str(fused)).graph.node]
+    assert ops.count("Attention") + ops.count("MultiHeadAttention") == 6  # one per layer of MiniLM-L6
+    enc = tok.encode("Kubernetes operators reconcile custom resources")
+    ids = np.array([enc.ids], np.int64)
+    batch = Batch(ids, np.ones_like(ids), np.zeros_like(ids), np.array([len(enc.ids)]))
+    small = b.forward(batch).pooled
+    b.small_session = None
+    plain = b.forward(batch).pooled
+    assert np.allclose(small, plain, atol=1e-5) and not np.array_equal(small, np.zeros_like(small))
+    monkeypatch.setenv("EMBEDOPS_ORT_FUSE", "0")
+    assert OrtBackend(info, threads=2, cache=str(tmp_path), tokenizer=tok).latency_graph == "plain"

@@ -12,7 +12,7 @@ from ..core.model_info import EMBEDDER, RERANKER, SPARSE, ModelInfo
 from .base import Backend, pool_numpy, split_tokens
 from .dense import apply_numpy, load_dense
 from .m3 import OrtHeads, load_heads
-from .onnx_export import cache_dir, model_file, quantize_int8
+from .onnx_export import cache_dir, fuse_for_latency, model_file, quantize_int8
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ CHECK_TEXTS = [
 
 SMALL_TOKENS = 64  # padded tokens up to which a forward runs on the spinning latency session (0: off)
 SMALL_SESSION_MAX_BYTES = 200 << 20
+FUSED_MIN_COSINE = 0.9999  # fused vs plain float32: the same arithmetic reordered (MiniLM: max |diff| ~3e-6)
 
 
 class OrtBackend(Backend):
@@ -76,8 +77,9 @@ class OrtBackend(Backend):
         self.small_tokens = int(os.environ.get("EMBEDOPS_ORT_SMALL_TOKENS", str(SMALL_TOKENS)))
         self.small_session = None
         small_model = self.model_path.stat().st_size <= SMALL_SESSION_MAX_BYTES
+        self.latency_graph = "off"
         if self.small_tokens > 0 and (threads or 1) > 1 and small_model:
-            self.small_session = self._session(self.model_path, spin=True)
+            self.small_session = self._latency_session(info, cache, tokenizer)
         # Two forwards side by side under load, each on half the threads, in a session of their own (ORT runs
         # concurrent Run calls on one session). A small model's operators are too short to keep two threads busy
         # between barriers: on 2 cores, two 1-thread forwards of 8 x 32 tokens do 362-371 texts/s against 277-305
@@ -97,6 +99,32 @@ class OrtBackend(Backend):
         # bge-m3 heads: small float32 sessions (also under --quantize int8) over the graph's token states
         self.heads = load_heads(info, tokenizer, self.hidden_size)
         self._heads = OrtHeads(self.heads, self._session) if self.heads is not None else None
+
+    def _latency_session(self, info: ModelInfo, cache: str | None, tokenizer):
+        """The spinning small-forward session, on the fused graph (fuse_for_latency) when it gives the same
+        outputs as the plain one (min cosine / score correlation >= FUSED_MIN_COSINE on CHECK_TEXTS); float32
+        only (an int8 model keeps its quantized graph). EMBEDOPS_ORT_FUSE=0 keeps the plain graph."""
+        plain = self.model_path
+        if self.dtype != "float32" or tokenizer is None or os.environ.get("EMBEDOPS_ORT_FUSE", "1") == "0":
+            self.latency_graph = "plain"
+            return self._session(plain, spin=True)
+        try:
+            fused = fuse_for_latency(plain, info, cache_dir(info, cache))
+        except Exception as exc:  # noqa: BLE001 - an optimizer that cannot read a graph costs speed, not service
+            log.warning("graph fusion failed, the small-forward session runs the plain graph: %s", exc)
+            fused = None
+        if fused is not None:
+            session = self._session(fused, spin=True)
+            agreement = self._compare(self.session, session, tokenizer)
+            if agreement >= FUSED_MIN_COSINE:
+                log.info("forwards of up to %d padded tokens run the fused graph %s (agreement with the plain "
+                         "graph %.6f)", self.small_tokens, fused.name, agreement)
+                self.latency_graph = "fused"
+                return session
+            log.warning("the fused graph disagrees with the plain one (%.6f < %s): small forwards run the plain "
+                        "graph", agreement, FUSED_MIN_COSINE)
+        self.latency_graph = "plain"
+        return self._session(plain, spin=True)
 
     def _session(self, path: Path | bytes, spin: bool | None = None, threads: int | None = None):
         ort = self._ort
