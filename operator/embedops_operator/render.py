@@ -233,6 +233,8 @@ def _args(spec: S.EmbeddingServiceSpec) -> list[str]:
         args += ["--default-prompt-name", m.prompts.default_prompt_name]
     if m.prompts and m.prompts.default_prompt:
         args += ["--default-prompt", m.prompts.default_prompt]
+    if m.outputs:  # a folder without the heads fails at start (a crash-looping pod), not per request (424)
+        args += ["--outputs", ",".join(o for o in ("dense", "sparse", "colbert") if o in m.outputs)]
     args.append("--json-output")
     return args
 

@@ -55,6 +55,8 @@ FLAGS = [
     ("--graceful-shutdown-timeout", float, 30.0, "seconds to finish in-flight requests after SIGTERM"),
     ("--onnx-cache", str, None, "where ONNX exports and int8 models are written (default ~/.cache/embedops)"),
     ("--log-level", str, "info", "debug | info | warning | error"),
+    ("--outputs", str, None, "comma-separated outputs the model must give (dense, sparse, colbert: bge-m3's "
+     "heads); the server refuses to start when one is missing instead of answering 424 per request"),
     ("--cors-allow-origin", str, None, "browser origins allowed to call the API (comma-separated, or *); "
      "preflights allow Authorization as well as Content-Type. Default: no CORS headers"),
 ]

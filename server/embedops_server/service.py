@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from .backends.base import Backend, cpu_threads
 from .core.engine import Engine, EngineStats
-from .core.model_info import NO_TORCH, ModelError, ModelInfo, load_model_info, no_onnx_without_torch, torch_installed
+from .core.model_info import (COLBERT, DENSE, EMBEDDER, HEAD_FILES, LEXICAL, NO_TORCH, ModelError, ModelInfo,
+                              load_model_info, no_onnx_without_torch, torch_installed)
 from .core.tokenization import TokenizerPool
 from .settings import Settings
 
@@ -101,6 +102,23 @@ def forward_tokens(s: Settings, backend: Backend) -> int | None:
     return backend.preferred_batch_tokens
 
 
+def check_outputs(wanted: str | None, info: ModelInfo) -> None:
+    """--outputs (the operator passes model.outputs): every output asked for must be one the model gives."""
+    asked = [o.strip() for o in (wanted or "").split(",") if o.strip()]
+    known = (DENSE, LEXICAL, COLBERT)
+    unknown = [o for o in asked if o not in known]
+    if unknown:
+        raise ModelError(f"--outputs {','.join(unknown)}: not an output (one of {', '.join(known)})")
+    have = info.outputs
+    missing = [o for o in asked if o not in have]
+    if missing:
+        files = [HEAD_FILES[o] for o in missing if o in HEAD_FILES]
+        why = (f"{info.path} has no {' or '.join(files)}" if files and info.task == EMBEDDER
+               else f"a {info.task} model gives none of dense, sparse, colbert")
+        raise ModelError(f"--outputs asks for {', '.join(missing)} but {why} (it gives: "
+                         f"{', '.join(have) or 'nothing of these'})")
+
+
 def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
     t0 = time.perf_counter()
     info = load_model_info(s.model_id, s.pooling, s.revision)
@@ -113,6 +131,7 @@ def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
                 "raise the budget or enable --auto-truncate")
         log.warning("max input length %d clamped to --max-batch-tokens %d", max_len, s.max_batch_tokens)
         max_len = s.max_batch_tokens
+    check_outputs(s.outputs, info)
     if s.default_prompt_name and s.default_prompt_name not in info.prompts:
         raise ModelError(f"--default-prompt-name {s.default_prompt_name!r} is not one of {sorted(info.prompts)}")
     if s.default_prompt and s.default_prompt_name:

@@ -33,4 +33,5 @@ class Settings:
     graceful_shutdown_timeout: float = 30.0
     onnx_cache: str | None = None
     cors_allow_origin: str | None = None  # comma-separated origins or "*"; None: no CORS headers
+    outputs: str | None = None  # comma-separated outputs the model must have (dense, sparse, colbert)
     log_level: str = "info"

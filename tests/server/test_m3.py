@@ -182,3 +182,31 @@ def test_cuda_graph_compute_path_on_cpu(m3_dir):
     for a, b in zip(eager.colbert, graphed.colbert):
         assert np.allclose(a, b, atol=1e-6)
     assert all(len(c) == n - 1 for c, n in zip(eager.colbert, mask.sum(1)))
+
+
+def test_outputs_flag_refuses_a_folder_without_the_heads(tmp_path):
+    """--outputs (the operator's model.outputs): a missing head stops the start with one line naming the file,
+    and /health answers 503 with it, instead of a Ready server answering 424 per request."""
+    import time
+
+    from embedops_server.cli import parse_args
+    from embedops_server.core.model_info import ModelError, load_model_info
+    from embedops_server.service import check_outputs
+
+    one_head = build_m3_folder(tmp_path / "sparse-only", heads=("sparse",))
+    info = load_model_info(str(one_head))
+    check_outputs("dense,sparse", info)
+    check_outputs(None, info)
+    with pytest.raises(ModelError, match="asks for colbert but .* has no colbert_linear.pt"):
+        check_outputs("dense,colbert", info)
+    with pytest.raises(ModelError, match="lexical: not an output"):
+        check_outputs("dense,lexical", info)
+    with pytest.raises(ModelError, match="has no sparse_linear.pt"):
+        check_outputs("sparse", load_model_info(str(minilm_dir())))
+    assert parse_args(["--model-id", "m", "--outputs", "dense,colbert"]).outputs == "dense,colbert"
+    with run_server(model_id=str(one_head), backend="torch", outputs="dense,colbert", wait=False) as (url, st):
+        deadline = time.monotonic() + 60
+        while st.load_error is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and "colbert_linear.pt" in r.text, r.text

@@ -67,3 +67,18 @@ def test_route_paths_follow_outputs():
     assert _paths(_spec(outputs=["sparse"])) == ["/embed_sparse", "/v1/models"]
     assert _paths(_spec(outputs=["colbert", "dense"])) == [
         "/v1/embeddings", "/embed", "/embed_all", "/embed_colbert", "/embed_hybrid", "/v1/models"]
+
+
+def _server_args(spec: dict) -> list[str]:
+    deploy = by_kind(R.render(es(spec)))["Deployment"]
+    return deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_outputs_are_passed_to_the_server_in_one_order():
+    """The server refuses to start when the folder lacks a head the manifest asks for (a crash-looping pod
+    the operator reports), instead of answering 424 per request."""
+    assert "--outputs" not in _server_args(_spec())
+    args = _server_args(_spec(outputs=["colbert", "dense", "sparse"]))
+    assert args[args.index("--outputs") + 1] == "dense,sparse,colbert"
+    args = _server_args(_spec(outputs=["sparse"]))
+    assert args[args.index("--outputs") + 1] == "sparse"
