@@ -11,8 +11,9 @@ bench --build-tei``) runs the kit once, cached; without a build the TEI targets 
   its ORT backend cannot start, and without weights it fails loudly instead.
 - ``tei+int8`` (also ``tei+quantize=int8``): the same, with the int8 graph embedops makes for
   ``--quantize int8`` (``quantize_int8`` of that float32 file). TEI has no quality gate of its own.
-- ``tei+fused``: the same, with the fused graph embedops runs for one-query forwards (ONNX Runtime's offline
-  BERT fusions, ``fuse_for_latency``) for every TEI forward: what TEI does given that graph.
+- ``tei+fused`` (``tei+int8+fused``): the same, with the fused graph embedops runs for one-query forwards
+  (ONNX Runtime's offline BERT fusions, ``fuse_for_latency``; its int8 quantization) for every TEI forward:
+  what TEI does given that graph.
 - ``tei-candle``: TEI's candle backend (MKL) on the model folder itself (it has no ONNX file).
 - ``+flag=value`` parts become router flags (``tei+max-batch-requests=4``).
 
@@ -105,8 +106,6 @@ def parse_tei(name: str) -> TeiSpec:
             spec.flags += [f"--{k}"] + ([v] if eq else [])
     if (spec.quantize or spec.fused) and spec.backend != "ort":
         raise ValueError(f"{name}: int8 and fused are ONNX graphs, i.e. TEI's ORT backend (`tei+int8`, `tei+fused`)")
-    if spec.quantize and spec.fused:
-        raise ValueError(f"{name}: the fused graph is float32 (embedops fuses only its float32 graph)")
     return spec
 
 
@@ -126,11 +125,12 @@ def onnx_for(model_dir: Path, quantize: str | None, fused: bool = False) -> Path
 
     info = load_model_info(model_dir)
     fp32 = Path(model_file(info))
-    if quantize == "int8":
-        return Path(quantize_int8(fp32, cache_dir(info, None)))
+    graph = fp32
     if fused:
-        return Path(fuse_for_latency(fp32, info, cache_dir(info, None)) or fp32)
-    return fp32
+        graph = Path(fuse_for_latency(fp32, info, cache_dir(info, None)) or fp32)
+    if quantize == "int8":
+        graph = Path(quantize_int8(graph, cache_dir(info, None)))
+    return graph
 
 
 def ort_folder(model_dir: Path, onnx_file: Path, root: Path | None = None) -> Path:

@@ -21,8 +21,9 @@ def test_parse_names():
     s = tei.parse_tei("tei-candle+max-batch-requests=2+auto-truncate")
     assert s.backend == "candle" and s.flags == ["--max-batch-requests", "2", "--auto-truncate"]
     assert tei.parse_tei("tei+fused").fused and not tei.parse_tei("tei").fused
-    for bad in ("tei-candle+int8", "tei+quantize=int4", "teix", "embedops-onnx", "tei++x", "tei-candle+fused",
-                "tei+int8+fused"):
+    s = tei.parse_tei("tei+int8+fused")
+    assert s.fused and s.quantize == "int8"
+    for bad in ("tei-candle+int8", "tei+quantize=int4", "teix", "embedops-onnx", "tei++x", "tei-candle+fused"):
         with pytest.raises(ValueError):
             tei.parse_tei(bad)
     assert tei.is_tei("tei+int8") and tei.is_tei("tei-candle") and not tei.is_tei("embedops-onnx")

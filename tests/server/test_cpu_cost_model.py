@@ -333,5 +333,12 @@ def test_small_forwards_run_the_fused_graph_with_the_same_outputs(folder, monkey
     b.small_session = None
     plain = b.forward(batch).pooled
     assert np.allclose(small, plain, atol=1e-5) and not np.array_equal(small, np.zeros_like(small))
+    # --quantize int8: the fused graph's int8 quantization, held to the int8 gate against float32
+    q = OrtBackend(info, threads=2, cache=str(tmp_path), tokenizer=tok, quantize="int8")
+    assert q.latency_graph == "fused-int8" and next(tmp_path.glob("*/*.fused.int8.onnx"))
+    small = q.forward(batch).pooled
+    q.small_session = None
+    cos = float((small * plain).sum() / (np.linalg.norm(small) * np.linalg.norm(plain)))
+    assert cos >= 0.98 and not np.allclose(small, plain, atol=1e-5)  # int8: close to float32, not equal
     monkeypatch.setenv("EMBEDOPS_ORT_FUSE", "0")
     assert OrtBackend(info, threads=2, cache=str(tmp_path), tokenizer=tok).latency_graph == "plain"

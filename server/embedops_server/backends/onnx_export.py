@@ -131,7 +131,12 @@ def quantize_int8(src: Path, out_dir: Path) -> Path:
     target = out_dir / f"{src.stem}.int8.onnx"
     if not target.exists():
         tmp = out_dir / f"{src.stem}.int8.tmp.onnx"
-        quantize_dynamic(str(src), str(tmp), per_channel=True, reduce_range=True, weight_type=QuantType.QInt8)
+        # DefaultTensorType: the fused graph's contrib operators (Attention, SkipLayerNormalization) have no
+        # shape inference, so the quantizer is told their outputs are float32
+        import onnx
+
+        quantize_dynamic(str(src), str(tmp), per_channel=True, reduce_range=True, weight_type=QuantType.QInt8,
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
         os.replace(tmp, target)
     return target
 

@@ -57,6 +57,7 @@ class OrtBackend(Backend):
         self._inputs = {i.name for i in self.session.get_inputs()}
         self.model_path = self.fp32_path
         self.int8_cosine: float | None = None
+        fp32_session = self.session  # the reference a fused latency graph is checked against (dropped after)
         if quantize == "int8":
             q = quantize_int8(self.fp32_path, cache_dir(info, cache))
             qsession = self._session(q)
@@ -79,7 +80,8 @@ class OrtBackend(Backend):
         small_model = self.model_path.stat().st_size <= SMALL_SESSION_MAX_BYTES
         self.latency_graph = "off"
         if self.small_tokens > 0 and (threads or 1) > 1 and small_model:
-            self.small_session = self._latency_session(info, cache, tokenizer)
+            self.small_session = self._latency_session(info, cache, tokenizer, fp32_session, int8_min_cosine)
+        del fp32_session
         # Two forwards side by side under load, each on half the threads, in a session of their own (ORT runs
         # concurrent Run calls on one session). A small model's operators are too short to keep two threads busy
         # between barriers: on 2 cores, two 1-thread forwards of 8 x 32 tokens do 362-371 texts/s against 277-305
@@ -100,29 +102,34 @@ class OrtBackend(Backend):
         self.heads = load_heads(info, tokenizer, self.hidden_size)
         self._heads = OrtHeads(self.heads, self._session) if self.heads is not None else None
 
-    def _latency_session(self, info: ModelInfo, cache: str | None, tokenizer):
-        """The spinning small-forward session, on the fused graph (fuse_for_latency) when it gives the same
-        outputs as the plain one (min cosine / score correlation >= FUSED_MIN_COSINE on CHECK_TEXTS); float32
-        only (an int8 model keeps its quantized graph). EMBEDOPS_ORT_FUSE=0 keeps the plain graph."""
+    def _latency_session(self, info: ModelInfo, cache: str | None, tokenizer, fp32_session, int8_min_cosine: float):
+        """The spinning small-forward session, on the fused graph (fuse_for_latency; under --quantize int8 its
+        int8 quantization) when it agrees with float32 on CHECK_TEXTS: the plain float32 graph within
+        FUSED_MIN_COSINE (the same arithmetic reordered), or for int8 the int8 gate's own threshold. Otherwise,
+        and with EMBEDOPS_ORT_FUSE=0, the graph the other sessions run."""
         plain = self.model_path
-        if self.dtype != "float32" or tokenizer is None or os.environ.get("EMBEDOPS_ORT_FUSE", "1") == "0":
+        if tokenizer is None or os.environ.get("EMBEDOPS_ORT_FUSE", "1") == "0":
             self.latency_graph = "plain"
             return self._session(plain, spin=True)
+        int8 = self.dtype == "int8"
         try:
-            fused = fuse_for_latency(plain, info, cache_dir(info, cache))
+            fused = fuse_for_latency(self.fp32_path, info, cache_dir(info, cache))
+            if fused is not None and int8:
+                fused = quantize_int8(fused, cache_dir(info, cache))
         except Exception as exc:  # noqa: BLE001 - an optimizer that cannot read a graph costs speed, not service
             log.warning("graph fusion failed, the small-forward session runs the plain graph: %s", exc)
             fused = None
         if fused is not None:
             session = self._session(fused, spin=True)
-            agreement = self._compare(self.session, session, tokenizer)
-            if agreement >= FUSED_MIN_COSINE:
-                log.info("forwards of up to %d padded tokens run the fused graph %s (agreement with the plain "
-                         "graph %.6f)", self.small_tokens, fused.name, agreement)
-                self.latency_graph = "fused"
+            agreement = self._compare(fp32_session, session, tokenizer)
+            needed = int8_min_cosine if int8 else FUSED_MIN_COSINE
+            if agreement >= needed:
+                log.info("forwards of up to %d padded tokens run the fused graph %s (agreement with float32 "
+                         "%.6f)", self.small_tokens, fused.name, agreement)
+                self.latency_graph = "fused-int8" if int8 else "fused"
                 return session
-            log.warning("the fused graph disagrees with the plain one (%.6f < %s): small forwards run the plain "
-                        "graph", agreement, FUSED_MIN_COSINE)
+            log.warning("the fused graph disagrees with float32 (%.6f < %s): small forwards run the plain graph",
+                        agreement, needed)
         self.latency_graph = "plain"
         return self._session(plain, spin=True)
 

@@ -131,7 +131,7 @@ def create_app(settings: Settings, service=None,
             "served_model_name": s.served_model_name or s.model_id, "backend": svc.backend.name,
             "device": svc.backend.device, "hidden_size": svc.backend.hidden_size,
             "int8_cosine": getattr(svc.backend, "int8_cosine", None),
-            # ONNX Runtime: the graph one-query forwards run ("fused", "plain", "off"), see fuse_for_latency
+            # ONNX Runtime: the graph one-query forwards run ("fused", "fused-int8", "plain", "off"), see fuse_for_latency
             "latency_graph": getattr(svc.backend, "latency_graph", None),
             "max_concurrent_requests": s.max_concurrent_requests, "max_input_length": svc.max_input_length,
             "max_batch_tokens": s.max_batch_tokens, "max_batch_requests": s.max_batch_requests,
