@@ -365,6 +365,8 @@ def test_examples_validate_and_render(name):
 def test_example_kinds():
     emb = by_kind(R.render(example("mig-embedder.yaml")))
     assert "ScaledObject" in emb and "HTTPRoute" in emb and "ConfigMap" in emb
+    assert arg(emb["Deployment"]["spec"]["template"]["spec"]["containers"][0], "--outputs") == "dense,sparse,colbert"
+    assert "/embed_hybrid" in [r["matches"][0]["path"]["value"] for r in emb["HTTPRoute"]["spec"]["rules"]]
     rr = by_kind(R.render(example("mig-reranker.yaml")))
     assert rr["Deployment"]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][
         "nvidia.com/mig-1g.18gb"] == "1"
