@@ -96,7 +96,7 @@ class Reconciler:
                     except ApiException as exc:
                         msg = _api_message(exc)
                         failed = getattr(exc, "failed_object", None) or {}
-                        gone = R.feature_of_kind((failed.get("apiVersion"), failed.get("kind")))
+                        gone = R.FEATURE_OF_KIND.get((failed.get("apiVersion"), failed.get("kind")))
                         if exc.status == 404 and gone:
                             # its CRD was removed since discovery: the same as never installed, not an error
                             observed.missing[gone] = failed["kind"]

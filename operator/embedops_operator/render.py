@@ -30,6 +30,7 @@ SERVICEMONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
 HTTPROUTE = ("gateway.networking.k8s.io/v1", "HTTPRoute")
 SCALEDOBJECT = ("keda.sh/v1alpha1", "ScaledObject")
 OPTIONAL_KINDS = (SERVICEMONITOR, HTTPROUTE, SCALEDOBJECT)
+FEATURE_OF_KIND = {SERVICEMONITOR: "monitoring", HTTPROUTE: "routes", SCALEDOBJECT: "autoscaling"}  # spec feature
 
 # OpenAI clients pointed at <gateway><pathPrefix>/v1 list models before embedding; Cohere/Jina clients rerank
 # at /v1/rerank. Without a pathPrefix or hostnames, services sharing a gateway share these paths too.
@@ -569,12 +570,6 @@ def render(resource: dict, options: Options | None = None) -> list[dict]:
             continue
         obj["metadata"].setdefault("annotations", {})[ANNOTATION_HASH] = content_hash(obj)
     return out
-
-
-def feature_of_kind(api_version_kind: tuple) -> str | None:
-    """The spec feature an optional kind serves ("monitoring", "routes", "autoscaling"), None for core kinds."""
-    return {SERVICEMONITOR: "monitoring", HTTPROUTE: "routes", SCALEDOBJECT: "autoscaling"}.get(
-        tuple(api_version_kind))
 
 
 def missing_capabilities(resource: dict, options: Options) -> dict[str, str]:

@@ -25,8 +25,6 @@ CPU_SPEC = {"model": {"id": "/models/all-MiniLM-L6-v2", "maxInputLength": 256},
             "monitoring": {"serviceMonitor": {"enabled": False}}}
 
 
-
-
 class OperatorProcess:
     """`python -m embedops_operator.cli run ...` with its own log file; killed by PID (its own session)."""
 

@@ -63,8 +63,6 @@ def kstatus_of(obj: dict) -> str | None:
     return json.loads(out.stdout.splitlines()[0])["status"]
 
 
-
-
 class OperatorThread:
     """kopf.operator() in a background thread, against the fixture's kubeconfig."""
 
