@@ -86,9 +86,25 @@ def test_ort_session_has_no_memory_arena_and_a_forward_cap(monkeypatch):
     info = load_model_info(str(minilm_onnx_dir()), "mean", "main")
     b = OrtBackend(info, threads=1)
     assert b.session.get_session_options().enable_cpu_mem_arena is False
-    assert b.preferred_batch_tokens == 1024
+    assert b.preferred_batch_tokens == 1024 and b.parallel_forwards == 1
     monkeypatch.setenv("EMBEDOPS_ORT_ARENA", "1")
     assert OrtBackend(info, threads=1).session.get_session_options().enable_cpu_mem_arena is True
+
+
+def test_ort_forwards_side_by_side_are_formed_smaller(monkeypatch):
+    """Two 1-thread forwards side by side run batches of 256 padded tokens; one forward keeps 1024."""
+    from embedops_server.backends.ort_backend import OrtBackend
+    from embedops_server.core.model_info import load_model_info
+    from tests.models import minilm_onnx_dir
+
+    info = load_model_info(str(minilm_onnx_dir()), "mean", "main")
+    monkeypatch.setenv("EMBEDOPS_ORT_SMALL_TOKENS", "0")  # no latency session: not what this checks
+    b = OrtBackend(info, threads=2)
+    assert b.parallel_forwards == 2 and b.preferred_batch_tokens == OrtBackend.PARALLEL_BATCH_TOKENS == 256
+    assert forward_tokens(Settings(), b) == 256 and forward_tokens(Settings(max_forward_tokens=1024), b) == 1024
+    monkeypatch.setenv("EMBEDOPS_ORT_PARALLEL", "0")
+    single = OrtBackend(info, threads=2)
+    assert single.parallel_forwards == 1 and single.preferred_batch_tokens == 1024
 
 
 def test_look_ahead_linger_is_bounded_and_only_under_load():

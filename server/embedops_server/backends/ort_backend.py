@@ -40,6 +40,12 @@ class OrtBackend(Backend):
     # rows ~8960-8990, 8 rows 8550, 16 rows 8290, 32 rows 7100; 512-token rows: 2 rows 7680, 32 rows 2930.
     # Past ~1024 padded tokens the attention intermediates outgrow the caches.
     preferred_batch_tokens = 1024
+    # With two 1-thread forwards side by side (parallel_forwards) smaller forwards do better still: on 2 EPYC
+    # cores, server side by side with 1024 / 512 / 256: ingestion 4307 / 4625 / 4799 tokens/s, rerank top-50
+    # 3473 / 3250 / 3191 ms, mixed 5409 / 5943 / 5920 tokens/s, c=64 147 / 142 / 150 texts/s with p99 743-591 /
+    # 619-735 / 587-510 ms (docs/bench.md, 2026-12-01 23:06). A 32-token text costs as little per row at 8 rows
+    # as at 16-32 on one thread, and a smaller forward is a shorter wait for the inputs queued behind it.
+    PARALLEL_BATCH_TOKENS = 256
 
     def __init__(self, info: ModelInfo, threads: int | None = None, quantize: str | None = None,
                  cache: str | None = None, int8_min_cosine: float = 0.98, tokenizer=None, parallel: bool = True):
@@ -94,6 +100,7 @@ class OrtBackend(Backend):
         if parallel and (threads or 1) > 1 and small_model and os.environ.get("EMBEDOPS_ORT_PARALLEL", "1") != "0":
             self.parallel_forwards = 2
             self.narrow_session = self._session(self.model_path, threads=max(1, threads // 2))
+            self.preferred_batch_tokens = self.PARALLEL_BATCH_TOKENS
         self.hidden_size = int(info.config.get("hidden_size") or self.session.get_outputs()[0].shape[-1] or 0)
         self.dense = load_dense(info.dense) if info.dense else []  # sentence-transformers Dense projections
         if self.dense:
