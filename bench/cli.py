@@ -64,7 +64,8 @@ def _cpu_model() -> str:
 class Runner:
     def __init__(self, args):
         self.args = args
-        self.profile = W.PROFILES[args.profile]
+        self.profile = W.customize(W.PROFILES[args.profile], concurrencies=args.concurrency,
+                                   duration_s=args.duration)
         self.rows: list[dict] = []
         self.errors: dict[str, str] = {}
         self.targets: dict = {}
@@ -248,6 +249,8 @@ class Runner:
                 forwards=None, tokenize=None, max_iters: int = 10_000, probes=None):
         from .ceiling import time_batches, time_st
 
+        if self.args.no_ceilings:
+            return
         c = forwards or self.ceilings()
         tokenize = tokenize or c["tokenize"]
         budget = budget or self.profile.ceiling_budget_s
@@ -419,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--embedops-arg", action="append", dest="embedops_args", default=[],
                     help="extra argument for embedops-server (repeatable)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--concurrency", help="scenario 2's concurrency sweep instead of the profile's, e.g. 16,64")
+    ap.add_argument("--duration", type=float, help="seconds per closed-loop run instead of the profile's")
+    ap.add_argument("--no-ceilings", action="store_true",
+                    help="skip the raw-forward ceilings and inline encode (servers side by side only)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="repeat scenarios 1-2 (ceiling and every target, rotated) and report medians "
                          "(default: 1 quick, 3 full)")
@@ -435,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds is None:
         args.rounds = 3 if args.profile == "full" else 1
     args.scenarios = [int(s) for s in args.scenarios.split(",") if s]
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c] if args.concurrency else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

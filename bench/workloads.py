@@ -1,7 +1,7 @@
 """The five scenarios' traffic, generated deterministically from a seed with exact token counts."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .textgen import TextGen
 
@@ -29,6 +29,16 @@ PROFILES = {
                     concurrencies=[4, 16, 32, 64], ingest_requests=24, rerank_requests=10,
                     mixed_duration_s=40),
 }
+
+def customize(profile: Profile, concurrencies: list[int] | None = None, duration_s: float | None = None) -> Profile:
+    """The profile with scenario 2's sweep and the closed-loop run length overridden (None: keep)."""
+    changes = {}
+    if concurrencies:
+        changes["concurrencies"] = concurrencies
+    if duration_s:
+        changes.update(duration_s=duration_s, mixed_duration_s=duration_s)
+    return replace(profile, **changes) if changes else profile
+
 
 SHORT_QUERY_TOKENS = 16
 SINGLE_TEXT_TOKENS = 32
