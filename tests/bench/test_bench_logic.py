@@ -199,3 +199,13 @@ def test_median_rows_and_batch_counters():
             'te_batch_next_tokens_sum 3840.0\nte_batch_next_size_bucket{le="1.0"} 2.0\n')
     assert report.batch_counters(text) == {"batches": 10.0, "inputs": 120.0, "tokens": 3840.0}
     assert report.batch_counters("other 1\n") is None
+
+
+def test_profile_overrides_keep_the_rest():
+    from bench.workloads import PROFILES, customize
+
+    full = PROFILES["full"]
+    assert customize(full) is full
+    p = customize(full, concurrencies=[16, 64], duration_s=20)
+    assert p.concurrencies == [16, 64] and p.duration_s == 20 and p.mixed_duration_s == 20
+    assert p.ingest_requests == full.ingest_requests and full.concurrencies == [4, 16, 32, 64]
