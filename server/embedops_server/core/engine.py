@@ -1,6 +1,6 @@
 """The engine: admission, tokenization hand-off, a batcher thread and inference threads.
 
-Event loop -> TokenizerPool (threads) -> BatchQueue -> batcher thread (forms the next batch and builds its
+Event loop -> TokenizerPool (threads; a small request is encoded on the event loop) -> BatchQueue -> batcher thread (forms the next batch and builds its
 padded arrays while the forwards run) -> inference threads (backend forward + numpy post-processing) -> one
 call_soon_threadsafe per batch back to the event loop.
 
