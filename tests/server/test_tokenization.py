@@ -71,3 +71,14 @@ def test_second_submitter_falls_back_to_a_worker(pool):
         pool.submit(EncodeJob(["while another thread holds the inline tokenizer"], True, "right", 128, done))
         done.wait()
     assert done.thread.startswith("tokenizer-") and done.error is None
+
+
+def test_a_failing_callback_is_the_submitters_error_and_frees_the_inline_tokenizer(pool):
+    def broken(result, error):
+        raise RuntimeError("callback failed")
+
+    with pytest.raises(RuntimeError, match="callback failed"):
+        pool.submit(EncodeJob(["a short query"], True, "right", 128, broken))
+    done = Done()
+    pool.submit(EncodeJob(["a short query"], True, "right", 128, done))
+    assert done.event.is_set() and done.thread == threading.current_thread().name  # inline again: lock released

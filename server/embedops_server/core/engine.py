@@ -1,8 +1,8 @@
 """The engine: admission, tokenization hand-off, a batcher thread and inference threads.
 
-Event loop -> TokenizerPool (threads; a small request is encoded on the event loop) -> BatchQueue -> batcher thread (forms the next batch and builds its
-padded arrays while the forwards run) -> inference threads (backend forward + numpy post-processing) -> one
-call_soon_threadsafe per batch back to the event loop.
+Event loop -> TokenizerPool (threads; a small request is encoded on the event loop itself) -> BatchQueue ->
+batcher thread (forms the next batch and builds its padded arrays while the forwards run) -> inference threads
+(backend forward + numpy post-processing) -> one call_soon_threadsafe per batch back to the event loop.
 
 One inference thread by default. A backend may ask for more (`parallel_forwards`): small CPU models run two
 forwards side by side, each on part of the cores, which beats one forward on all of them (no barrier between

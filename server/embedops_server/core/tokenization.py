@@ -19,8 +19,8 @@ from .errors import TOKENIZER, VALIDATION, EngineError
 # it bounds the work an attacker can ask of the tokenizer.
 CHARS_PER_TOKEN_LIMIT = 250
 _DRAIN = 64  # jobs merged into one encode_batch call
-# Jobs up to this size are encoded on the submitting thread (tens of microseconds for a short query, against a
-# worker hand-off measured at 0.4-0.5 ms idle and ~6 ms at c=16 on 2 busy cores).
+# Jobs up to this size are encoded on the submitting thread: 50-300 us for a short query (more when the caches
+# are cold between requests), against a worker hand-off of 0.4-0.5 ms idle and ~6 ms at c=16 on 2 busy cores.
 INLINE_MAX_TEXTS = 4
 INLINE_MAX_CHARS = 2048
 
@@ -63,11 +63,9 @@ class TokenizerPool:
     def submit(self, job: EncodeJob) -> None:
         """Encode `job` now on this thread if it is small (its `done` runs here), else on a worker."""
         if _small(job.texts) and self._inline_lock.acquire(blocking=False):
-            try:
+            try:  # tokenizer errors reach `done` as EngineErrors; anything else is the caller's to see
                 self._encode_group(self._inline, (job.truncate, job.direction, job.max_length,
                                                   job.add_special_tokens), [job])
-            except Exception as e:  # as a worker would: the job gets an error, the caller goes on
-                job.done(None, EngineError(TOKENIZER, f"tokenizer error: {e}"))
             finally:
                 self._inline_lock.release()
             return
