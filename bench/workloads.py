@@ -30,6 +30,7 @@ PROFILES = {
                     mixed_duration_s=40),
 }
 
+
 def customize(profile: Profile, concurrencies: list[int] | None = None, duration_s: float | None = None) -> Profile:
     """The profile with scenario 2's sweep and the closed-loop run length overridden (None: keep)."""
     changes = {}

@@ -34,6 +34,11 @@ class EncodeJob:
     done: Callable  # done(list[(ids, type_ids)] | None, EngineError | None)
     add_special_tokens: bool = True
 
+    @property
+    def settings(self) -> tuple:
+        """What one encode_batch call must share: jobs with equal settings are encoded together."""
+        return self.truncate, self.direction, self.max_length, self.add_special_tokens
+
 
 class TokenizerPool:
     def __init__(self, tokenizer_path: str, workers: int):
@@ -64,8 +69,7 @@ class TokenizerPool:
         """Encode `job` now on this thread if it is small (its `done` runs here), else on a worker."""
         if _small(job.texts) and self._inline_lock.acquire(blocking=False):
             try:  # tokenizer errors reach `done` as EngineErrors; anything else is the caller's to see
-                self._encode_group(self._inline, (job.truncate, job.direction, job.max_length,
-                                                  job.add_special_tokens), [job])
+                self._encode_group(self._inline, job.settings, [job])
             finally:
                 self._inline_lock.release()
             return
@@ -96,7 +100,7 @@ class TokenizerPool:
                 jobs.append(nxt)
             groups: dict[tuple, list[EncodeJob]] = {}
             for j in jobs:
-                groups.setdefault((j.truncate, j.direction, j.max_length, j.add_special_tokens), []).append(j)
+                groups.setdefault(j.settings, []).append(j)
             for key, group in groups.items():
                 try:
                     self._encode_group(tok, key, group)
