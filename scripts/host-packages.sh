@@ -8,7 +8,9 @@ set -euo pipefail
 pkgs=(podman containerd runc containernetworking-plugins debootstrap iptables conntrack busybox-static)
 missing=()
 for p in "${pkgs[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  # captured, not piped into `grep -q`: under pipefail a reader that exits first can fail the pipeline
+  st="$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)"
+  [[ "$st" == *"install ok installed"* ]] || missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then
   if ! command -v apt-get >/dev/null || [ "$(id -u)" != 0 ]; then

@@ -15,7 +15,9 @@ command -v "$KIND" >/dev/null || { echo "e2e-kind: kind not on PATH (go install 
 
 ./tests/cluster/build.sh helm crds   # helm and the upstream CRD files (no control plane build needed)
 
-if ! "$KIND" get clusters | grep -qx "$CLUSTER"; then
+# Outputs are captured, then matched: `cmd | grep -q` / `cmd | head` under pipefail fail at random (SIGPIPE).
+clusters="$("$KIND" get clusters 2>/dev/null || true)"
+if [[ $'\n'"$clusters"$'\n' != *$'\n'"$CLUSTER"$'\n'* ]]; then
   "$KIND" create cluster --config kind-config.yaml --wait 120s
 fi
 kc="$(mktemp)"; "$KIND" get kubeconfig --name "$CLUSTER" > "$kc"
@@ -23,7 +25,8 @@ export KUBECONFIG="$kc"
 [ "${KEEP_CLUSTER:-}" = 1 ] || trap '"$KIND" delete cluster --name "$CLUSTER"; rm -f "$kc"' EXIT
 
 # What NVIDIA's device plugin would advertise on a MIG-partitioned H100-80GB (mixed strategy).
-gpu_node="$(kubectl get nodes -l embedops.dev/pool=gpu -o name | head -1)"
+gpu_nodes="$(kubectl get nodes -l embedops.dev/pool=gpu -o name)"
+gpu_node="${gpu_nodes%%$'\n'*}"
 kubectl patch "$gpu_node" --subresource=status --type=merge \
   -p '{"status":{"capacity":{"nvidia.com/mig-1g.10gb":"7"},"allocatable":{"nvidia.com/mig-1g.10gb":"7"}}}'
 
