@@ -27,18 +27,23 @@ def _opt_int(v: str) -> int | None:
 # (flag, type, default, help). Env var = flag without dashes, upper-snake.
 FLAGS = [
     ("--model-id", str, None, "local model folder (Hugging Face layout)"),
-    ("--revision", str, "main", "model revision (informational: no hub is reachable)"),
+    ("--revision", str, "main", "hub revision (branch, tag or commit) looked up in the Hugging Face cache; "
+     "/info reports the commit served as model_sha"),
     ("--pooling", str, None, "cls | mean | splade | last-token (default: from 1_Pooling/config.json)"),
     ("--dtype", str, None, "float32 | float16 | bfloat16 (default: float16 on CUDA, float32 on CPU)"),
-    ("--backend", str, "auto", "auto | torch | onnxruntime | hybrid (auto: torch on CUDA and for rerankers on "
-     "CPU, else ONNX Runtime; hybrid: CPU, ONNX Runtime for inputs up to 128 tokens, torch for longer)"),
+    ("--backend", str, "auto", "auto | torch | onnxruntime | hybrid (auto: torch on CUDA or for a float16/"
+     "bfloat16 dtype, else ONNX Runtime for every task; hybrid: CPU, ONNX Runtime for inputs up to 128 tokens, "
+     "torch for longer)"),
     ("--device", str, None, "cpu | cuda | cuda:N (default: cuda when available)"),
     ("--quantize", str, None, "int8: ONNX Runtime dynamic per-channel int8, refused below --int8-min-cosine"),
     ("--int8-min-cosine", float, 0.98, "minimum cosine vs float32 on the check sentences for int8"),
     ("--max-batch-tokens", int, 16384, "token budget per forward batch (padded: longest x count)"),
     ("--max-forward-tokens", _opt_int, None,
-     "padded tokens per forward pass (default: the backend's efficient size on CPU, ONNX Runtime 1024, torch "
-     "2048; unlimited on CUDA); 0 = up to --max-batch-tokens"),
+     "padded tokens per forward pass (default: the backend's efficient size on CPU, ONNX Runtime 256 with two "
+     "forwards side by side, else 1024, torch 2048; unlimited on CUDA); 0 = up to --max-batch-tokens"),
+    ("--max-input-length", _opt_int, None,
+     "longest input in tokens (default: the model's); longer inputs are truncated or refused, and the start-up "
+     "warm-up runs one input of this length: it bounds the attention memory a replica needs"),
     ("--max-batch-requests", _opt_int, None, "maximum inputs per forward batch"),
     ("--max-concurrent-requests", int, 512, "admitted inputs in flight before answering 429"),
     ("--max-client-batch-size", int, 32, "maximum inputs per request"),
@@ -124,9 +129,18 @@ def setup_logging(s: Settings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`embedops-server [flags]` serves; `embedops-server prepare [flags]` (the same flags) makes the ONNX
+    cache entry those flags need (export, int8 and its gate, fused graph) and exits (prepare.py)."""
     # Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning, leaving the cores to the
     # tokenizers and the event loop (measured on 2 shared cores: ~2x saturated torch-CPU throughput).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["prepare"]:
+        s = parse_args(argv[1:])
+        setup_logging(s)
+        from .prepare import main as prepare_main
+
+        sys.exit(prepare_main(s))
     s = parse_args(argv)
     setup_logging(s)
     # Settings' repr hides api_key; log it as a boolean only.

@@ -123,6 +123,12 @@ def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
     t0 = time.perf_counter()
     info = load_model_info(s.model_id, s.pooling, s.revision)
     max_len = info.max_input_length
+    if s.max_input_length is not None:
+        # the operator passes model.maxInputLength: it bounds the longest input, the warm-up and with them the
+        # attention memory (eager attention holds heads x length^2 scores per layer: 4.3 GB at 8192 tokens)
+        if s.max_input_length > max_len:
+            raise ModelError(f"--max-input-length {s.max_input_length} exceeds the model's own limit {max_len}")
+        max_len = s.max_input_length
     if max_len > s.max_batch_tokens:
         # TEI issue 723: an input longer than the budget could never be batched and hung the queue.
         if not s.auto_truncate:

@@ -17,6 +17,7 @@ class Settings:
     max_batch_tokens: int = 16384
     max_batch_requests: int | None = None
     max_forward_tokens: int | None = None  # None: the backend's preferred size (CPU); 0: max_batch_tokens
+    max_input_length: int | None = None  # None: the model's own limit; lower bounds attention memory
     max_concurrent_requests: int = 512
     max_client_batch_size: int = 32
     auto_truncate: bool = True

@@ -169,3 +169,27 @@ def test_openai_models_list(minilm_torch):
     r = httpx.get(minilm_torch + "/v1/models/no-such-model")
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
     assert "no-such-model" in r.json()["error"]["message"]
+
+
+def _counter(text: str, name: str, **labels) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and (not want or want in line) or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_request_count_counts_failed_requests_too(minilm_torch):
+    """TEI counts every request in te_request_count, so failure / count is a failure ratio: a refused request
+    must raise te_request_count as much as te_request_failure."""
+    u = minilm_torch
+    before = httpx.get(u + "/metrics").text
+    assert httpx.post(u + "/embed", json={"inputs": ""}).status_code == 400  # empty: validation
+    assert httpx.post(u + "/embed", json={"inputs": ["a"] * 1000}).status_code == 422  # over the batch size
+    assert httpx.post(u + "/embed", json={"inputs": ["a", "b"]}).status_code == 200
+    after = httpx.get(u + "/metrics").text
+    count = _counter(after, "te_request_count") - _counter(before, "te_request_count")
+    failed = _counter(after, "te_request_failure") - _counter(before, "te_request_failure")
+    ok = _counter(after, "te_request_success") - _counter(before, "te_request_success")
+    assert (count, failed, ok) == (3, 2, 1)

@@ -82,3 +82,38 @@ def test_a_failing_callback_is_the_submitters_error_and_frees_the_inline_tokeniz
     done = Done()
     pool.submit(EncodeJob(["a short query"], True, "right", 128, done))
     assert done.event.is_set() and done.thread == threading.current_thread().name  # inline again: lock released
+
+
+def test_a_failing_callback_on_a_worker_is_called_once_and_spares_its_batch_mates():
+    """Jobs drained together by one worker: the first job's callback raises. It must not be called a second
+    time (with an error, after its result), and the other jobs of that batch still get their own results."""
+    pool = TokenizerPool(str(minilm_dir() / "tokenizer.json"), 1)
+    try:
+        calls: list[tuple] = []
+        gate = threading.Event()
+        text = "Embeddings map sentences to vectors so that similar meanings land close together. " * 4
+        big = [text] * 8  # over the inline limits: goes to the worker
+
+        def blocker(result, error):  # holds the single worker so the next jobs queue up and drain together
+            gate.wait(10)
+
+        def failing(result, error):
+            calls.append((result is not None, error))
+            raise RuntimeError("the submitter's callback is broken")
+
+        mates = [Done() for _ in range(3)]
+        pool.submit(EncodeJob(big, True, "right", 128, blocker))
+        pool.submit(EncodeJob(big, True, "right", 128, failing))
+        for d in mates:
+            pool.submit(EncodeJob(big, True, "right", 128, d))
+        gate.set()
+        for d in mates:
+            d.wait()
+            assert d.error is None and len(d.result) == len(big)
+        assert calls == [(True, None)], f"the failing callback was called {len(calls)} times: {calls}"
+        # and the worker is still alive for the next job
+        again = Done()
+        pool.submit(EncodeJob(big, True, "right", 128, again))
+        assert again.wait().error is None
+    finally:
+        pool.close()

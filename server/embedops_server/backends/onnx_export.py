@@ -2,6 +2,7 @@
 quantization."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import logging
@@ -40,16 +41,31 @@ def cache_key(info: ModelInfo) -> str:
 SOURCE_FILE = "source.txt"  # the model folder an entry was made from
 
 
+def cache_root(base: str | None) -> Path:
+    return Path(base or os.environ.get("ONNX_CACHE") or os.environ.get("EMBEDOPS_CACHE")
+                or Path.home() / ".cache" / "embedops")
+
+
 def cache_dir(info: ModelInfo, base: str | None) -> Path:
     """This model revision's entry in the ONNX cache (``--onnx-cache``, $ONNX_CACHE, $EMBEDOPS_CACHE or
     ~/.cache/embedops). Entries made for earlier revisions of the same folder are removed: nothing can use
-    them any more, and a long-lived cache volume would otherwise grow with every model update."""
-    root = Path(base or os.environ.get("ONNX_CACHE") or os.environ.get("EMBEDOPS_CACHE")
-                or Path.home() / ".cache" / "embedops")
+    them any more, and a long-lived cache volume would otherwise grow with every model update.
+
+    A read-only cache (the serving pods mount the volume the prepare step wrote, read-only) is used as it is:
+    its entry must exist, nothing is written or removed."""
+    root = cache_root(base)
     d = root / cache_key(info)
-    d.mkdir(parents=True, exist_ok=True)
     source = str(info.path.resolve())
-    (d / SOURCE_FILE).write_text(source)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        if not (d / SOURCE_FILE).exists() or (d / SOURCE_FILE).read_text() != source:
+            (d / SOURCE_FILE).write_text(source)
+    except OSError as e:
+        if d.is_dir():
+            return d  # read-only and prepared: use what is there
+        raise ModelError(f"the ONNX cache {root} cannot be written ({e.strerror}) and holds no entry for "
+                         f"{source} at this revision: run `embedops-server prepare` with the same flags into it "
+                         "first (the operator's prepare step does)") from None
     for other in root.glob(f"*/{SOURCE_FILE}"):
         try:
             stale = other.parent != d and other.read_text() == source
@@ -99,7 +115,12 @@ def export_onnx(info: ModelInfo, out_dir: Path) -> Path:
 
     ids = torch.ones((2, 8), dtype=torch.long)
     out_name = "logits" if task in (RERANKER, CLASSIFIER) else ("sparse" if task == SPARSE else "last_hidden_state")
-    tmp = out_dir / "model.onnx.tmp"
+    # Into a folder of its own: a model over protobuf's 2 GB limit (bge-m3: 2.2 GB) is written with every
+    # weight in a file of its own beside the graph (~390 files), which is then packed into one data file.
+    work = out_dir / "export.tmp"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    tmp = work / target.name
     log.info("exporting %s to ONNX at %s", info.path, target)
     dyn = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
            "token_type_ids": {0: "batch", 1: "seq"}}
@@ -109,8 +130,85 @@ def export_onnx(info: ModelInfo, out_dir: Path) -> Path:
             input_names=["input_ids", "attention_mask", "token_type_ids"], output_names=[out_name],
             dynamic_axes={**dyn, out_name: {0: "batch"}}, opset_version=17, dynamo=False,
         )
-    os.replace(tmp, target)
+    del model  # the torch weights (a full float32 copy) before the graph is loaded to be packed
+    import gc
+
+    gc.collect()
+    if len(list(work.iterdir())) > 1:
+        _pack_external_data(tmp, out_dir / target.name)
+    else:
+        os.replace(tmp, target)
+    shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def external_data_suffix(model: Path) -> Path:
+    return model.with_name(model.name + ".data")
+
+
+def _pack_external_data(src: Path, target: Path) -> None:
+    """Save ``src`` (a graph whose weights are many files beside it) as ``target`` with one data file,
+    ``<target>.data``: one file to copy, map and checksum instead of hundreds."""
+    import onnx
+
+    data = external_data_suffix(target)
+    model = onnx.load(str(src))  # with its external data
+    tmp = target.with_name(target.name + ".tmp")
+    data_tmp = external_data_suffix(tmp)
+    onnx.save_model(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data_tmp.name, size_threshold=1024)
+    del model
+    # the graph names its data file: rename the file, then rewrite the (small) graph with the final name
+    os.replace(data_tmp, data)
+    graph = onnx.load(str(tmp), load_external_data=False)
+    for t in _external_tensors(graph):
+        for entry in t.external_data:
+            if entry.key == "location":
+                entry.value = data.name
+    onnx.save_model(graph, str(tmp))
+    os.replace(tmp, target)
+
+
+def _external_tensors(graph_model) -> list:
+    """Tensors whose data lives in an external file: initializers and tensor attributes, subgraphs included."""
+    from onnx import AttributeProto, TensorProto
+
+    out = []
+
+    def walk(graph):
+        out.extend(graph.initializer)
+        for node in graph.node:
+            for a in node.attribute:
+                if a.type == AttributeProto.TENSOR:
+                    out.append(a.t)
+                elif a.type == AttributeProto.GRAPH:
+                    walk(a.g)
+                elif a.type == AttributeProto.GRAPHS:
+                    for g in a.graphs:
+                        walk(g)
+
+    walk(graph_model.graph)
+    return [t for t in out if t.data_location == TensorProto.EXTERNAL]
+
+
+def graph_files(path: Path) -> list[Path]:
+    """The ONNX file and every external data file it names (the Hub's bge-m3: onnx/model.onnx plus
+    model.onnx_data)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False)
+    files = {path}
+    for t in _external_tensors(graph):
+        for entry in t.external_data:
+            if entry.key == "location":
+                files.add(path.parent / entry.value)
+    return sorted(files)
+
+
+def graph_bytes(path: Path) -> int:
+    """Bytes of weights a session of this graph holds: the file and its external data. The graph file alone
+    of a model with external data is a few hundred KB whatever the model's size."""
+    return sum(f.stat().st_size for f in graph_files(path) if f.exists())
 
 
 def model_file(info: ModelInfo, cache: str | None = None) -> Path:
@@ -135,10 +233,81 @@ def quantize_int8(src: Path, out_dir: Path) -> Path:
         # shape inference, so the quantizer is told their outputs are float32
         import onnx
 
-        quantize_dynamic(str(src), str(tmp), per_channel=True, reduce_range=True, weight_type=QuantType.QInt8,
-                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+        with _shape_inference_in(out_dir):
+            quantize_dynamic(str(src), str(tmp), per_channel=True, reduce_range=True, weight_type=QuantType.QInt8,
+                             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
         os.replace(tmp, target)
     return target
+
+
+@contextlib.contextmanager
+def _shape_inference_in(work_dir: Path):
+    """ONNX Runtime's quantizer writes its input's shape-inferred copy, `<model>-inferred.onnx`, beside the
+    input: on the read-only model volume a pod mounts, quantizing the folder's own onnx/model.onnx failed
+    (FileNotFoundError). This writes that copy into ``work_dir`` (the cache entry) and reads the weights
+    from beside the input. Links to the input would not do: onnx refuses external data behind a symlink."""
+    import importlib
+
+    import onnx
+    from onnxruntime.quantization import quant_utils
+
+    # the module, not the package's `quantize` function of the same name
+    quantize_module = importlib.import_module("onnxruntime.quantization.quantize")
+
+    original = getattr(quantize_module, "load_model_with_shape_infer", None)
+    if original is None:  # another ONNX Runtime layout: its own behaviour (works where the folder is writable)
+        log.warning("onnxruntime.quantization has no load_model_with_shape_infer: quantizing needs a writable "
+                    "model folder")
+        yield
+        return
+
+    def load_with_shape_infer(model_path: Path):
+        model_path = Path(model_path)
+        inferred = work_dir / f"{model_path.stem}-inferred.onnx"
+        onnx.shape_inference.infer_shapes_path(str(model_path), str(inferred))
+        model = onnx.load(str(inferred), load_external_data=False)
+        inferred.unlink()
+        from onnx.external_data_helper import load_external_data_for_model
+
+        load_external_data_for_model(model, str(model_path.parent))
+        quant_utils.add_infer_metadata(model)
+        return model
+
+    quantize_module.load_model_with_shape_infer = load_with_shape_infer
+    try:
+        yield
+    finally:
+        quantize_module.load_model_with_shape_infer = original
+
+
+def gate_record(quantized: Path) -> Path:
+    return quantized.with_name(quantized.name + ".gate.json")
+
+
+def read_gate(quantized: Path) -> dict | None:
+    """The int8 gate's result measured when ``quantized`` was made (prepare, or a first start), so a later
+    start need not load the float32 graph beside it (bge-m3: 2.2 GB more at start) to measure it again."""
+    import json
+
+    try:
+        record = json.loads(gate_record(quantized).read_text())
+    except (OSError, ValueError):
+        return None
+    st = quantized.stat()
+    if record.get("size") != st.st_size or record.get("mtime_ns") != st.st_mtime_ns:
+        return None  # made for another file
+    return record
+
+
+def write_gate(quantized: Path, metric: str, value: float) -> None:
+    import json
+
+    st = quantized.stat()
+    try:
+        gate_record(quantized).write_text(json.dumps(
+            {"metric": metric, "value": value, "size": st.st_size, "mtime_ns": st.st_mtime_ns}))
+    except OSError as e:  # a read-only cache: the next start measures again
+        log.warning("cannot record the int8 gate result next to %s: %s", quantized, e)
 
 
 # Encoder families whose attention ONNX Runtime's offline BERT optimizer recognises (pattern-matched; the
@@ -174,7 +343,10 @@ def fuse_for_latency(src: Path, info: ModelInfo, out_dir: Path) -> Path | None:
     finally:
         opt_logger.setLevel(level)
     if not any(n.op_type in ATTENTION_OPS for n in model.model.graph.node):
-        empty.touch()
+        try:
+            empty.touch()
+        except OSError:
+            pass  # read-only cache: found again next start
         return None
     tmp = out_dir / f"{src.stem}.fused.tmp.onnx"
     model.save_model_to_file(str(tmp))

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 
 from ..core.engine import Batch, BatchOutput
-from ..core.model_info import EMBEDDER, RERANKER, SPARSE, ModelInfo
+from ..core.model_info import EMBEDDER, RERANKER, SPARSE, ModelError, ModelInfo
 from .base import Backend, pool_numpy, split_tokens
 from .dense import apply_numpy, load_dense
 from .m3 import OrtHeads, load_heads
-from .onnx_export import cache_dir, fuse_for_latency, model_file, quantize_int8
+from .onnx_export import cache_dir, fuse_for_latency, graph_bytes, model_file, quantize_int8, read_gate, write_gate
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,18 @@ CHECK_TEXTS = [
 SMALL_TOKENS = 64  # padded tokens up to which a forward runs on the spinning latency session (0: off)
 SMALL_SESSION_MAX_BYTES = 200 << 20
 FUSED_MIN_COSINE = 0.9999  # fused vs plain float32: the same arithmetic reordered (MiniLM: max |diff| ~3e-6)
+
+
+class _Lazy:
+    """A value made on first call (the float32 session: only loaded when a check needs it)."""
+
+    def __init__(self, make):
+        self._make, self.value = make, None
+
+    def __call__(self):
+        if self.value is None:
+            self.value = self._make()
+        return self.value
 
 
 class OrtBackend(Backend):
@@ -58,24 +70,35 @@ class OrtBackend(Backend):
         self.fp32_path = model_file(info, cache)
         self._ort = ort
         self.threads = threads
-        self.session = self._session(self.fp32_path)
-        # every session here (float32, int8, latency) comes from the same graph: one set of input names
-        self._inputs = {i.name for i in self.session.get_inputs()}
         self.model_path = self.fp32_path
         self.int8_cosine: float | None = None
-        fp32_session = self.session  # the reference a fused latency graph is checked against (dropped after)
+        reference = _Lazy(lambda: self._session(self.fp32_path))  # float32, for the checks that need it
         if quantize == "int8":
             q = quantize_int8(self.fp32_path, cache_dir(info, cache))
-            qsession = self._session(q)
-            self.int8_cosine = self._compare(self.session, qsession, tokenizer)
             metric = "min cosine" if self.task in (EMBEDDER, SPARSE) else "min score correlation"
-            log.info("int8 quality check: %s %.4f vs float32", metric, self.int8_cosine)
+            record = read_gate(q)
+            self.session = self._session(q)
+            self._inputs = {i.name for i in self.session.get_inputs()}  # the same graph's: one set of names
+            if record is not None:
+                # measured when this int8 graph was made (the prepare step): the float32 graph is not loaded
+                # again to measure it (bge-m3: 2.2 GB more at every start)
+                self.int8_cosine = float(record["value"])
+                log.info("int8 quality check (recorded when the int8 graph was made): %s %.4f vs float32",
+                         metric, self.int8_cosine)
+            else:
+                self.int8_cosine = self._compare(reference(), self.session, tokenizer)
+                log.info("int8 quality check: %s %.4f vs float32", metric, self.int8_cosine)
+                write_gate(q, metric, self.int8_cosine)
             if self.int8_cosine < int8_min_cosine:
-                raise RuntimeError(
+                raise ModelError(
                     f"int8 model fails the quality gate: {metric} {self.int8_cosine:.4f} < {int8_min_cosine}")
-            self.session = qsession
             self.model_path = Path(q)
             self.dtype = "int8"
+        else:
+            self.session = self._session(self.fp32_path)
+            reference.value = self.session
+            # every session here (float32, int8, latency) comes from the same graph: one set of input names
+            self._inputs = {i.name for i in self.session.get_inputs()}
         # Tiny forwards (one short query) on a second session whose threads spin-wait: the main session's threads
         # sleep between parallel operators (see _session) and waking them costs ~1 ms per 16-token text (MiniLM-L6,
         # 2 cores: 3.4 -> 2.5 ms). Spinning for a few-ms forward costs little; for big batches it would steal
@@ -83,11 +106,13 @@ class OrtBackend(Backend):
         # models up to SMALL_SESSION_MAX_BYTES on disk. EMBEDOPS_ORT_SMALL_TOKENS=0 turns it off.
         self.small_tokens = int(os.environ.get("EMBEDOPS_ORT_SMALL_TOKENS", str(SMALL_TOKENS)))
         self.small_session = None
-        small_model = self.model_path.stat().st_size <= SMALL_SESSION_MAX_BYTES
+        # the graph file and its external data: bge-m3's own onnx/model.onnx is 0.7 MB beside 2.2 GB of data
+        self.model_bytes = graph_bytes(self.model_path)
+        small_model = self.model_bytes <= SMALL_SESSION_MAX_BYTES
         self.latency_graph = "off"
         if self.small_tokens > 0 and (threads or 1) > 1 and small_model:
-            self.small_session = self._latency_session(info, cache, tokenizer, fp32_session, int8_min_cosine)
-        del fp32_session
+            self.small_session = self._latency_session(info, cache, tokenizer, reference, int8_min_cosine)
+        del reference
         # Two forwards side by side under load, each on half the threads, in a session of their own (ORT runs
         # concurrent Run calls on one session). A small model's operators are too short to keep two threads busy
         # between barriers: on 2 cores, two 1-thread forwards of 8 x 32 tokens do 362-371 texts/s against 277-305
@@ -109,7 +134,7 @@ class OrtBackend(Backend):
         self.heads = load_heads(info, tokenizer, self.hidden_size)
         self._heads = OrtHeads(self.heads, self._session) if self.heads is not None else None
 
-    def _latency_session(self, info: ModelInfo, cache: str | None, tokenizer, fp32_session, int8_min_cosine: float):
+    def _latency_session(self, info: ModelInfo, cache: str | None, tokenizer, reference, int8_min_cosine: float):
         """The spinning small-forward session, on the fused graph (fuse_for_latency; under --quantize int8 its
         int8 quantization) when it agrees with float32 on CHECK_TEXTS: the plain float32 graph within
         FUSED_MIN_COSINE (the same arithmetic reordered), or for int8 the int8 gate's own threshold. Otherwise,
@@ -128,7 +153,7 @@ class OrtBackend(Backend):
             fused = None
         if fused is not None:
             session = self._session(fused, spin=True)
-            agreement = self._compare(fp32_session, session, tokenizer)
+            agreement = self._compare(reference(), session, tokenizer)
             needed = int8_min_cosine if int8 else FUSED_MIN_COSINE
             if agreement >= needed:
                 log.info("forwards of up to %d padded tokens run the fused graph %s (agreement with float32 "

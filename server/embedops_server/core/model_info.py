@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +60,7 @@ class ModelInfo:
     dense: tuple[Path, ...] = ()
     # bge-m3 heads found in the folder: output name -> weight file (see HEAD_FILES)
     heads: dict[str, Path] = field(default_factory=dict)
+    commit: str | None = None  # the hub commit of the files served, when the folder records it (model_commit)
 
     @property
     def outputs(self) -> list[str]:
@@ -168,6 +170,37 @@ def resolve_model_path(model_id: str, revision: str | None = None) -> Path:
         raise ModelError(f"model {model_id} could not be found locally or downloaded: {e}") from None
 
 
+_SHA = re.compile(r"^[0-9a-f]{40}$")
+
+
+def model_commit(path: Path) -> str | None:
+    """The hub commit a model folder holds, from what the tools that fetch models leave behind: the Hugging
+    Face cache's ``snapshots/<commit>`` folder, ``hf download --local-dir``'s ``.cache/huggingface/download/
+    *.metadata`` (first line: the commit), or a git clone's HEAD. None when the folder records none."""
+    real = path.resolve()
+    if real.parent.name == "snapshots" and _SHA.match(real.name):
+        return real.name
+    meta = real / ".cache" / "huggingface" / "download"
+    for f in sorted(meta.rglob("*.metadata")) if meta.is_dir() else []:
+        try:
+            first = f.read_text().split("\n", 1)[0].strip()
+        except OSError:
+            continue
+        if _SHA.match(first):
+            return first
+    head = real / ".git" / "HEAD"
+    try:
+        ref = head.read_text().strip()
+    except OSError:
+        return None
+    if ref.startswith("ref: "):
+        try:
+            ref = (real / ".git" / ref[5:]).read_text().strip()
+        except OSError:
+            return None
+    return ref if _SHA.match(ref) else None
+
+
 def load_model_info(path: str | Path, pooling: str | None = None, revision: str | None = None) -> ModelInfo:
     path = resolve_model_path(str(path), revision)
     if not path.is_dir():
@@ -225,10 +258,15 @@ def load_model_info(path: str | Path, pooling: str | None = None, revision: str 
     if heads and dense:
         raise ModelError(f"{path}: bge-m3 heads ({', '.join(f.name for f in heads.values())}) together with "
                          "sentence-transformers Dense modules are not supported")
+    commit = model_commit(path)
+    if revision and _SHA.match(revision) and commit and commit != revision:
+        # a pinned commit is a promise to the user: serving another one silently would break it
+        raise ModelError(f"{path} holds commit {commit}, but --revision pins {revision}")
     return ModelInfo(
         path=path, task=task, pooling=pool, normalize=normalize, max_input_length=max_len,
         config=config, prompts=prompts, default_prompt_name=st_cfg.get("default_prompt_name"),
         id2label=id2label, onnx_path=onnx_path, has_torch_weights=has_torch, dense=dense, heads=heads,
+        commit=commit,
     )
 
 

@@ -6,6 +6,7 @@ encoding it, and on a busy machine far more (the worker waits for a core behind 
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from typing import Callable, Sequence
 from tokenizers import Tokenizer
 
 from .errors import TOKENIZER, VALIDATION, EngineError
+
+log = logging.getLogger(__name__)
 
 # TEI rejects (or, with truncation, cuts) texts over max_input_length * 250 characters before tokenizing:
 # it bounds the work an attacker can ask of the tokenizer.
@@ -33,6 +36,7 @@ class EncodeJob:
     max_length: int
     done: Callable  # done(list[(ids, type_ids)] | None, EngineError | None)
     add_special_tokens: bool = True
+    delivered: bool = False  # `done` has been called: never call it again (a second result would be a lie)
 
     @property
     def settings(self) -> tuple:
@@ -75,6 +79,10 @@ class TokenizerPool:
             return
         self._jobs.put(job)
 
+    @property
+    def workers(self) -> int:
+        return len(self._threads)
+
     def alive(self) -> bool:
         return all(t.is_alive() for t in self._threads)
 
@@ -104,14 +112,15 @@ class TokenizerPool:
             for key, group in groups.items():
                 try:
                     self._encode_group(tok, key, group)
-                except Exception as e:  # keep the worker alive; these jobs get an error, not a hang
+                except Exception as e:  # keep the worker alive; undelivered jobs get an error, not a hang
                     for j in group:
-                        try:
-                            j.done(None, EngineError(TOKENIZER, f"tokenizer error: {e}"))
-                        except Exception:
-                            pass
+                        if not j.delivered:
+                            _deliver(j, None, EngineError(TOKENIZER, f"tokenizer error: {e}"), on_worker=True)
 
     def _encode_group(self, tok: Tokenizer, key: tuple, group: list[EncodeJob]) -> None:
+        """Encode `group` and deliver each job's result. On a worker thread a `done` that raises is logged and
+        the other jobs still get theirs; on the submitting thread (inline) its exception is the submitter's."""
+        on_worker = threading.current_thread() in self._threads
         truncate, direction, max_length, add_special = key
         char_limit = max_length * CHARS_PER_TOKEN_LIMIT
         flat: list = []
@@ -120,7 +129,7 @@ class TokenizerPool:
             try:
                 texts = [_clip(t, char_limit, truncate, direction) for t in j.texts]
             except EngineError as e:
-                j.done(None, e)
+                _deliver(j, None, e, on_worker)
                 continue
             spans.append((j, len(flat), len(flat) + len(texts)))
             flat.extend(texts)
@@ -137,7 +146,7 @@ class TokenizerPool:
                 for j, _, _ in spans:
                     self._encode_group(tok, key, [j])
                 return
-            spans[0][0].done(None, EngineError(TOKENIZER, _describe(flat, e)))
+            _deliver(spans[0][0], None, EngineError(TOKENIZER, _describe(flat, e)), on_worker)
             return
         for j, a, b in spans:
             out = []
@@ -155,7 +164,19 @@ class TokenizerPool:
                     err = EngineError(VALIDATION, "Input validation error: an input produced no tokens")
                     break
                 out.append((ids, encs[k].type_ids))
-            j.done(None, err) if err else j.done(out, None)
+            _deliver(j, None if err else out, err, on_worker)
+
+
+def _deliver(job: EncodeJob, out, err, on_worker: bool) -> None:
+    """Call `job.done` once. A worker logs a failing callback (its job's submitter is gone or broken) and goes
+    on with the others; inline, the exception reaches the submitter."""
+    job.delivered = True
+    try:
+        job.done(out, err)
+    except Exception:
+        if not on_worker:
+            raise
+        log.exception("a tokenization callback failed; the other jobs of its batch are unaffected")
 
 
 def _small(texts: Sequence) -> bool:

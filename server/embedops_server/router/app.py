@@ -17,7 +17,7 @@ from ..settings import Settings
 from . import errors, openapi, routes_compat, routes_m3, routes_tei
 from .errors import error_response
 from .middleware import GuardMiddleware
-from .routes_tei import _json
+from .routes_tei import json_response
 from .schemas import INFO_OK
 from .state import AppState
 
@@ -35,8 +35,8 @@ def _stats(st: AppState) -> EngineStats:
 
 
 def create_app(settings: Settings, service=None,
-               on_model_error: Callable[[ModelError], None] | None = None) -> FastAPI:
-    """``on_model_error``: called (on the event loop) when the model folder cannot be served at all; the CLI
+               on_model_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """``on_model_error``: called (on the event loop) when the model cannot be loaded, for any reason; the CLI
     exits non-zero then. Without it the app keeps answering 503 with the reason."""
     st = AppState(settings)
 
@@ -57,9 +57,13 @@ def create_app(settings: Settings, service=None,
                     st.load_error = f"model loading failed: {e}"
                     if on_model_error is not None:
                         on_model_error(e)
-                except Exception as e:  # keep serving 503 with the reason; the operator sees it in logs
+                except Exception as e:  # noqa: BLE001 - anything else (out of memory, a full disk, a bug)
+                    # ends the process too: a server that never loads must not sit answering 503 until its
+                    # startup probe gives up; restarted at once, its pod shows the reason
                     log.exception("model loading failed")
-                    st.load_error = f"model loading failed: {e}"
+                    st.load_error = f"model loading failed: {type(e).__name__}: {e}"
+                    if on_model_error is not None:
+                        on_model_error(e)
             task = asyncio.create_task(load())
         yield
         st.draining = True
@@ -125,8 +129,8 @@ def create_app(settings: Settings, service=None,
         else:
             mt = {"embedding": {"pooling": i.pooling}}
         s = settings
-        return _json({
-            "model_id": s.model_id, "model_sha": None, "model_dtype": svc.backend.dtype,
+        return json_response({
+            "model_id": s.model_id, "model_sha": i.commit, "model_dtype": svc.backend.dtype,
             "model_type": mt, "task": i.task, "architecture": i.architecture,
             "served_model_name": s.served_model_name or s.model_id, "backend": svc.backend.name,
             "device": svc.backend.device, "hidden_size": svc.backend.hidden_size,
@@ -138,7 +142,7 @@ def create_app(settings: Settings, service=None,
             "max_forward_tokens": svc.engine.queue.forward_tokens,
             "parallel_forwards": svc.engine.workers,
             "max_client_batch_size": s.max_client_batch_size, "auto_truncate": s.auto_truncate,
-            "tokenization_workers": len(svc.tokenizers._threads), "version": __version__, "sha": None,
+            "tokenization_workers": svc.tokenizers.workers, "version": __version__, "sha": None,
             "docker_label": None, "prompts": sorted(i.prompts), **routes_m3.m3_info(svc),
         })
 

@@ -72,12 +72,24 @@ _FAILURE_LABEL = {EMPTY: "validation", VALIDATION: "validation", TOKENIZER: "tok
                   OVERLOADED: "overloaded", BACKEND: "inference", UNHEALTHY: "unhealthy"}
 
 
+INPUTS_KEY = "embedops.inputs"  # request.scope: how many inputs the request carried, once known (state.run)
+
+
+def count_request(st, request: Request) -> None:
+    """te_request_count for a request that did not succeed: TEI counts every request, so that
+    te_request_failure / te_request_count is a failure ratio. The method (single/batch) is known once the
+    inputs were parsed; a request refused before that counts as single."""
+    n = request.scope.get(INPUTS_KEY, 1)
+    st.metrics.c.inc("te_request_count", method="batch" if n > 1 else "single")
+
+
 def _record(request: Request, kind: str, message: str = "") -> None:
     st = getattr(request.app.state, "embedops", None)
     if st is not None:
         err = "batch_size" if "batch size" in message else (
             "model_type" if message.startswith("Model is not") else _FAILURE_LABEL.get(kind, "validation"))
         st.metrics.c.inc("te_request_failure", err=err)
+        count_request(st, request)
 
 
 def install(app) -> None:

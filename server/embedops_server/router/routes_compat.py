@@ -13,14 +13,14 @@ from ..core.errors import EMPTY
 from ..core.model_info import EMBEDDER, RERANKER
 from . import errors, scoring
 from .errors import ApiError
-from .routes_tei import INFERENCE_ERRORS, _count, _doc, _json, _observe, _state
+from .routes_tei import INFERENCE_ERRORS, app_state, count_success, json_response, observe_phases, route_doc
 from .schemas import MARK, COHERE_RERANK_OK, MODEL_OK, MODELS_OK, OPENAI_EMBED_OK, CohereRerankRequest, OpenAIEmbeddingRequest
 
 router = APIRouter()
 
 
 async def openai_embeddings(request: Request, body: OpenAIEmbeddingRequest):
-    st = _state(request)
+    st = app_state(request)
     t0 = time.perf_counter()
     svc = st.require_task(EMBEDDER)
     st.check_dimensions(svc, body.dimensions)
@@ -33,16 +33,16 @@ async def openai_embeddings(request: Request, body: OpenAIEmbeddingRequest):
                 for i in range(len(le))]
     else:
         data = [{"object": "embedding", "embedding": v[i], "index": i} for i in range(len(v))]
-    _count(st, "embed", len(texts), True, t0)
-    _observe(st, req)
+    count_success(st, "embed", len(texts), t0)
+    observe_phases(st, req)
     model = st.settings.served_model_name or st.settings.model_id
-    return _json({"object": "list", "data": data, "model": model,
+    return json_response({"object": "list", "data": data, "model": model,
                   "usage": {"prompt_tokens": req.tokens, "total_tokens": req.tokens}}, st.headers(req, t0))
 
 
 router.add_api_route("/v1/embeddings", openai_embeddings, methods=["POST"], tags=["OpenAI"],
                      summary="OpenAI-compatible embeddings (float or base64)",
-                     **_doc(OPENAI_EMBED_OK, EMBEDDER, errs=errors.responses(400, 413, 422, 424, 429, 503, openai=True)))
+                     **route_doc(OPENAI_EMBED_OK, EMBEDDER, errs=errors.responses(400, 413, 422, 424, 429, 503, openai=True)))
 router.add_api_route("/embeddings", openai_embeddings, methods=["POST"], tags=["OpenAI"], include_in_schema=False)
 
 
@@ -55,22 +55,22 @@ def _model_card(st) -> dict:
             responses=MODELS_OK)
 async def openai_models(request: Request):
     # OpenAI SDKs, LiteLLM and UIs discover models here before calling /v1/embeddings.
-    return _json({"object": "list", "data": [_model_card(_state(request))]})
+    return json_response({"object": "list", "data": [_model_card(app_state(request))]})
 
 
 @router.get("/v1/models/{model_id:path}", tags=["OpenAI"], summary="One model, OpenAI-compatible",
             responses={**MODEL_OK, **errors.responses(404, openai=True)})
 async def openai_model(request: Request, model_id: Annotated[str, Path(json_schema_extra={MARK: "model-id"})]):
-    card = _model_card(_state(request))
+    card = _model_card(app_state(request))
     if model_id != card["id"]:
         raise ApiError("NotFound", f"The model `{model_id}` does not exist; this server serves `{card['id']}`")
-    return _json(card)
+    return json_response(card)
 
 
 @router.post("/v1/rerank", tags=["Cohere/Jina"], summary="Cohere/Jina-style rerank (documents, top_n)",
-             **_doc(COHERE_RERANK_OK, RERANKER))
+             **route_doc(COHERE_RERANK_OK, RERANKER))
 async def cohere_rerank(request: Request, body: CohereRerankRequest):
-    st = _state(request)
+    st = app_state(request)
     t0 = time.perf_counter()
     svc = st.require_task(RERANKER)
     docs: list[str] = body.documents  # validator flattened {"text": ...} objects
@@ -88,9 +88,9 @@ async def cohere_rerank(request: Request, body: CohereRerankRequest):
         if body.return_documents:
             item["document"] = {"text": docs[i]}
         out.append(item)
-    _count(st, "predict", len(docs), True, t0)
-    _observe(st, req)
-    return _json({"id": str(uuid.uuid4()), "results": out,
+    count_success(st, "predict", len(docs), t0)
+    observe_phases(st, req)
+    return json_response({"id": str(uuid.uuid4()), "results": out,
                   "model": st.settings.served_model_name or st.settings.model_id,
                   "usage": {"total_tokens": req.tokens}, "meta": {"billed_units": {"search_units": 1}}},
                  st.headers(req, t0))

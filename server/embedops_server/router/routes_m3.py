@@ -24,7 +24,7 @@ from ..core.model_info import COLBERT, DENSE, EMBEDDER, LEXICAL, SPARSE
 from . import routes_tei, scoring
 from .errors import ApiError
 from .openapi import OUTPUTS, TASKS
-from .routes_tei import INFERENCE_ERRORS, NUMPY, _count, _observe
+from .routes_tei import INFERENCE_ERRORS, NUMPY, count_success, observe_phases
 from .schemas import COLBERT_OK, HYBRID_OK, SPARSE_OK, Dimensions, EmbedAllRequest, Input, Int, doc
 
 router = APIRouter()
@@ -52,7 +52,7 @@ class HybridRequest(EmbedAllRequest):
 _HEAD_FILE = {LEXICAL: "sparse_linear.pt", COLBERT: "colbert_linear.pt"}
 
 
-def _doc(ok: dict, outputs, tasks=(EMBEDDER,)) -> dict:
+def route_doc(ok: dict, outputs, tasks=(EMBEDDER,)) -> dict:
     """As routes_tei._doc, plus the outputs the model must have to list the route (router/openapi.py)."""
     return {"responses": {**ok, **INFERENCE_ERRORS}, "openapi_extra": {TASKS: list(tasks), OUTPUTS: outputs}}
 
@@ -97,8 +97,8 @@ async def _run(request: Request, body, wanted: list[str]):
     _check_dimensions(svc, getattr(body, "dimensions", None), wanted)
     results, req = await st.run(request, svc, texts, st.truncate(body.truncate), body.truncation_direction,
                                 outputs=wanted)
-    _count(st, "embed", len(texts), True, t0)
-    _observe(st, req)
+    count_success(st, "embed", len(texts), t0)
+    observe_phases(st, req)
     return st, svc, results, req, t0
 
 
@@ -120,7 +120,7 @@ def lexical(rows: list[tuple[np.ndarray, np.ndarray]]) -> list[list[dict]]:
 # SPLADE, and embedders with bge-m3's sparse head; /embed_colbert: those with its colbert head).
 @router.post("/embed_sparse", tags=["TEI", "bge-m3"],
              summary="Sparse vectors (non-zero entries): SPLADE, or a bge-m3 model's lexical weights",
-             **_doc(SPARSE_OK, {EMBEDDER: [LEXICAL]}, tasks=(SPARSE, EMBEDDER)))
+             **route_doc(SPARSE_OK, {EMBEDDER: [LEXICAL]}, tasks=(SPARSE, EMBEDDER)))
 async def embed_sparse(request: Request, body: EmbedAllRequest):
     """TEI's route: SPLADE models as before (routes_tei), bge-m3 models from their sparse head."""
     st = request.app.state.embedops
@@ -135,7 +135,7 @@ async def embed_sparse(request: Request, body: EmbedAllRequest):
     return await _json(lexical([r[LEXICAL] for r in results]), st.headers(req, t0))
 
 
-@router.post("/embed_colbert", tags=["bge-m3"], **_doc(COLBERT_OK, [COLBERT]),
+@router.post("/embed_colbert", tags=["bge-m3"], **route_doc(COLBERT_OK, [COLBERT]),
              summary="ColBERT multi-vectors (bge-m3 colbert head): per input one vector per token after the first")
 async def embed_colbert(request: Request, body: ColbertRequest):
     st, svc, results, req, t0 = await _run(request, body, [COLBERT])
@@ -144,7 +144,7 @@ async def embed_colbert(request: Request, body: ColbertRequest):
     return await _json(out, st.headers(req, t0))
 
 
-@router.post("/embed_hybrid", tags=["bge-m3"], **_doc(HYBRID_OK, []),
+@router.post("/embed_hybrid", tags=["bge-m3"], **route_doc(HYBRID_OK, []),
              summary="Any of dense, sparse (lexical weights) and ColBERT vectors per input, from one forward")
 async def embed_hybrid(request: Request, body: HybridRequest):
     if body.outputs is not None and not body.outputs:

@@ -24,45 +24,45 @@ INFERENCE_ERRORS = errors.responses(400, 413, 422, 424, 429, 503)
 TEXT_ERRORS = errors.responses(400, 413, 422, 503)  # /tokenize, /decode: no model run, no admission
 
 
-def _doc(ok: dict, *tasks: str, errs: dict = INFERENCE_ERRORS) -> dict:
+def route_doc(ok: dict, *tasks: str, errs: dict = INFERENCE_ERRORS) -> dict:
     """Route keywords for the OpenAPI document: its responses and the tasks it serves (router/openapi.py)."""
     return {"responses": {**ok, **errs}, "openapi_extra": {TASKS: list(tasks)} if tasks else None}
 
 
-def _json(obj, headers=None) -> Response:
+def json_response(obj, headers=None) -> Response:
     return Response(orjson.dumps(obj, option=NUMPY), media_type="application/json", headers=headers)
 
 
-def _state(request: Request):
+def app_state(request: Request):
     return request.app.state.embedops
 
 
-def _count(st, route: str, n: int, ok: bool, t0: float) -> None:
+def count_success(st, route: str, n: int, t0: float) -> None:
+    """A request answered: te_request_count and _success (failures count in errors._record)."""
     c = st.metrics.c
     method = "batch" if n > 1 else "single"
     c.inc("te_request_count", method=method)
     c.inc(f"te_{route}_count", n)
-    if ok:
-        c.inc("te_request_success", method=method)
-        c.inc(f"te_{route}_success", n)
-        dt = time.perf_counter() - t0
-        st.metrics.request_duration.observe(dt)
-        (st.metrics.embed_duration if route == "embed" else st.metrics.predict_duration).observe(dt)
+    c.inc("te_request_success", method=method)
+    c.inc(f"te_{route}_success", n)
+    dt = time.perf_counter() - t0
+    st.metrics.request_duration.observe(dt)
+    (st.metrics.embed_duration if route == "embed" else st.metrics.predict_duration).observe(dt)
 
 
 async def _embed_like(request: Request, body, need_tokens: bool, tasks: tuple[str, ...], route="embed"):
-    st = _state(request)
+    st = app_state(request)
     t0 = time.perf_counter()
     svc = st.require_task(*tasks)
     texts = st.texts(svc, body.inputs, st.prompt(svc, body.prompt_name))
     results, req = await st.run(request, svc, texts, st.truncate(body.truncate), body.truncation_direction,
                                 need_tokens)
-    _count(st, route, len(texts), True, t0)
-    _observe(st, req)
+    count_success(st, route, len(texts), t0)
+    observe_phases(st, req)
     return results, req, t0
 
 
-def _observe(st, req) -> None:
+def observe_phases(st, req) -> None:
     m = st.metrics
     n = max(1, req.n)
     m.request_tok.observe(max(0.0, req.t_tokenized - req.t_start))
@@ -71,38 +71,38 @@ def _observe(st, req) -> None:
 
 
 @router.post("/embed", tags=["TEI"], summary="Embed inputs (pooled, optionally normalized and MRL-truncated)",
-             **_doc(EMBED_OK, EMBEDDER, SPARSE))
+             **route_doc(EMBED_OK, EMBEDDER, SPARSE))
 async def embed(request: Request, body: EmbedRequest):
-    st = _state(request)
+    st = app_state(request)
     svc = st.require_task(EMBEDDER, SPARSE)
     if svc.info.task == SPARSE and body.normalize:
         raise ApiError(BACKEND, "`normalize` is not available for SPLADE models; pass normalize=false")
     st.check_dimensions(svc, body.dimensions)
     results, req, t0 = await _embed_like(request, body, False, (EMBEDDER, SPARSE))
     vecs = scoring.dense(results, body.dimensions, body.normalize, svc.backend.hidden_size)
-    return _json(vecs, st.headers(req, t0))
+    return json_response(vecs, st.headers(req, t0))
 
 
 @router.post("/embed_all", tags=["TEI"], summary="Per-token hidden states (no pooling)",
-             **_doc(EMBED_ALL_OK, EMBEDDER))
+             **route_doc(EMBED_ALL_OK, EMBEDDER))
 async def embed_all(request: Request, body: EmbedAllRequest):
-    st = _state(request)
+    st = app_state(request)
     results, req, t0 = await _embed_like(request, body, True, (EMBEDDER,))
-    return _json([np.ascontiguousarray(r, dtype=np.float32) for r in results], st.headers(req, t0))
+    return json_response([np.ascontiguousarray(r, dtype=np.float32) for r in results], st.headers(req, t0))
 
 
 # documented by routes_m3's /embed_sparse (first on the path), which defers here for SPLADE models
 @router.post("/embed_sparse", include_in_schema=False)
 async def embed_sparse(request: Request, body: EmbedAllRequest):
-    st = _state(request)
+    st = app_state(request)
     results, req, t0 = await _embed_like(request, body, False, (SPARSE,))
-    return _json(scoring.sparse(results), st.headers(req, t0))
+    return json_response(scoring.sparse(results), st.headers(req, t0))
 
 
 @router.post("/rerank", tags=["TEI"], summary="Score (query, text) pairs with a re-ranker; sorted by score",
-             **_doc(RERANK_OK, RERANKER))
+             **route_doc(RERANK_OK, RERANKER))
 async def rerank(request: Request, body: RerankRequest):
-    st = _state(request)
+    st = app_state(request)
     t0 = time.perf_counter()
     svc = st.require_task(RERANKER)
     if not body.texts:
@@ -118,15 +118,15 @@ async def rerank(request: Request, body: RerankRequest):
     order = np.argsort(-s, kind="stable")
     out = [{"index": int(i), "score": float(s[i]), **({"text": body.texts[i]} if body.return_text else {})}
            for i in order]
-    _count(st, "predict", len(pairs), True, t0)
-    _observe(st, req)
-    return _json(out, st.headers(req, t0))
+    count_success(st, "predict", len(pairs), t0)
+    observe_phases(st, req)
+    return json_response(out, st.headers(req, t0))
 
 
 @router.post("/predict", tags=["TEI"], summary="Classify a text or a pair (single or batch)",
-             **_doc(PREDICT_OK, CLASSIFIER, RERANKER))
+             **route_doc(PREDICT_OK, CLASSIFIER, RERANKER))
 async def predict(request: Request, body: PredictRequest):
-    st = _state(request)
+    st = app_state(request)
     t0 = time.perf_counter()
     svc = st.require_task(CLASSIFIER, RERANKER)
     inp = body.inputs
@@ -151,15 +151,15 @@ async def predict(request: Request, body: PredictRequest):
     for row in probs:
         order = np.argsort(-row, kind="stable")
         out.append([{"score": float(row[j]), "label": labels.get(int(j), f"LABEL_{j}")} for j in order])
-    _count(st, "predict", len(items), True, t0)
-    _observe(st, req)
-    return _json(out[0] if single else out, st.headers(req, t0))
+    count_success(st, "predict", len(items), t0)
+    observe_phases(st, req)
+    return json_response(out[0] if single else out, st.headers(req, t0))
 
 
 @router.post("/similarity", tags=["TEI"], summary="Cosine similarity of a source sentence to sentences",
-             **_doc(SIMILARITY_OK, EMBEDDER))
+             **route_doc(SIMILARITY_OK, EMBEDDER))
 async def similarity(request: Request, body: SimilarityRequest):
-    st = _state(request)
+    st = app_state(request)
     t0 = time.perf_counter()
     svc = st.require_task(EMBEDDER)
     if not body.inputs.sentences:
@@ -174,13 +174,13 @@ async def similarity(request: Request, body: SimilarityRequest):
     results, req = await st.run(request, svc, texts, st.truncate(p.truncate if p else None),
                                 p.truncation_direction if p else "right")
     v = scoring.dense(results, None, True, 0)
-    _count(st, "embed", len(texts), True, t0)
-    return _json((v[1:] @ v[0]).astype(np.float32), st.headers(req, t0))
+    count_success(st, "embed", len(texts), t0)
+    return json_response((v[1:] @ v[0]).astype(np.float32), st.headers(req, t0))
 
 
-@router.post("/tokenize", tags=["TEI"], summary="Tokenize inputs (no truncation)", **_doc(TOKENIZE_OK, errs=TEXT_ERRORS))
+@router.post("/tokenize", tags=["TEI"], summary="Tokenize inputs (no truncation)", **route_doc(TOKENIZE_OK, errs=TEXT_ERRORS))
 async def tokenize(request: Request, body: TokenizeRequest):
-    st = _state(request)
+    st = app_state(request)
     svc = st.svc()
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     if not texts:
@@ -200,13 +200,13 @@ async def tokenize(request: Request, body: TokenizeRequest):
             toks.append({"id": tid, "text": piece if special or a == b else text[a:b], "special": bool(special),
                          "start": None if special else a, "stop": None if special else b})
         out.append(toks)
-    return _json(out)
+    return json_response(out)
 
 
 @router.post("/decode", tags=["TEI"], summary="Decode token ids to text (an empty list decodes to \"\")",
-             **_doc(DECODE_OK, errs=TEXT_ERRORS))
+             **route_doc(DECODE_OK, errs=TEXT_ERRORS))
 async def decode(request: Request, body: DecodeRequest):
-    st = _state(request)
+    st = app_state(request)
     svc = st.svc()
     batch = [body.ids] if not body.ids or isinstance(body.ids[0], int) else body.ids
     st.check_batch(len(batch))
@@ -214,4 +214,4 @@ async def decode(request: Request, body: DecodeRequest):
     if any(i >= vocab for ids in batch for i in ids):
         raise ApiError(VALIDATION, f"Input validation error: token id out of range (vocabulary size {vocab})")
     texts = svc.tokenizers.tokenizer.decode_batch(batch, skip_special_tokens=body.skip_special_tokens)
-    return _json(texts)
+    return json_response(texts)

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import uvicorn
 
+from ..core.model_info import ModelError
 from ..settings import Settings
 from .app import create_app
 
@@ -30,6 +32,19 @@ class DrainingServer(uvicorn.Server):
 
 
 EXIT_MODEL_ERROR = 3  # the model folder cannot be served (ModelError): restarting will not help
+EXIT_LOAD_FAILED = 1  # loading failed otherwise (memory, disk, a bug): a restart may help
+# Kubernetes shows this file's content as the container's termination message (pod status, and the
+# EmbeddingService's status through the operator); the default terminationMessagePath.
+TERMINATION_LOG = "/dev/termination-log"
+
+
+def write_termination_message(message: str, path: str | None = None) -> None:
+    path = path or os.environ.get("EMBEDOPS_TERMINATION_LOG", TERMINATION_LOG)
+    try:
+        with open(path, "w") as f:
+            f.write(message[:4000])  # the kubelet keeps at most 4096 bytes
+    except OSError:
+        pass  # not in a pod (or not writable): the log line already says it
 
 
 def serve(settings: Settings) -> None:
@@ -50,4 +65,7 @@ def serve(settings: Settings) -> None:
     server = DrainingServer(config, app.fastapi.state.embedops)
     server.run()
     if failed:
-        sys.exit(EXIT_MODEL_ERROR)
+        e = failed[0]
+        write_termination_message(f"model loading failed: {e}" if isinstance(e, ModelError)
+                                  else f"model loading failed: {type(e).__name__}: {e}")
+        sys.exit(EXIT_MODEL_ERROR if isinstance(e, ModelError) else EXIT_LOAD_FAILED)

@@ -11,7 +11,7 @@ from ..core.errors import BACKEND, EMPTY, UNHEALTHY, VALIDATION
 from ..core.model_info import EMBEDDER
 from ..service import Service
 from ..settings import Settings
-from .errors import ApiError
+from .errors import INPUTS_KEY, ApiError, count_request
 from .metrics import Metrics
 
 
@@ -102,6 +102,7 @@ class AppState:
         ``outputs``: a multi-output (bge-m3) request, see Engine.submit; each result is then a dict of them."""
         engine = svc.engine
         n = len(texts)
+        request.scope[INPUTS_KEY] = n
         engine.admit(n)  # raises Overloaded (429 + Retry-After) at once
         try:
             req = engine.submit(texts, truncate, direction.lower(), need_tokens, outputs)
@@ -115,6 +116,7 @@ class AppState:
                 req.cancelled = True  # the batcher drops its queued entries
                 fut.cancel()
                 self.metrics.c.inc("te_request_failure", err="dropped")
+                count_request(self, request)  # a 499 is not recorded by the error handler
                 raise ApiError("ClientClosedRequest", "client disconnected")
             return fut.result(), req
         finally:

@@ -1,0 +1,91 @@
+"""`embedops-server prepare`: make, once per model revision, everything a CPU server would make at its first
+start (the ONNX export, its int8 quantization and the quality gate's result, the fused one-query graph) into
+the ONNX cache, then exit. Serving pods that mount that cache load the prepared graph and nothing else: for
+bge-m3 int8 that is 0.57 GB of weights instead of the float32 export, quantization and float32 gate session
+(several GB at start, minutes on few cores).
+
+The operator runs it as the pod's `prepare` init container, with a memory limit of its own; on a cache volume
+that outlives the pod (model.cache) later pods find the entry and it returns in about a second.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import resource
+import time
+from pathlib import Path
+
+from .core.model_info import ModelError, load_model_info
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+PREPARED_FILE = "prepared.json"  # in the cache entry: what was prepared, when, at what cost
+
+
+def runs_onnx(s: Settings) -> bool:
+    """Whether this server would run ONNX Runtime (CPU): the only backend with something to prepare."""
+    if s.backend in ("torch",) or (s.device or "cpu").startswith("cuda"):
+        return False
+    if s.dtype not in (None, "float32"):
+        return False
+    return True
+
+
+def prepare(s: Settings) -> dict:
+    """Prepare the cache entry for ``s`` (the server's own settings) and return a summary."""
+    t0 = time.perf_counter()
+    info = load_model_info(s.model_id, s.pooling, s.revision)
+    summary: dict = {"model": str(info.path), "commit": info.commit}
+    if not runs_onnx(s):
+        summary["prepared"] = "nothing (this server runs torch)"
+        return summary
+    from tokenizers import Tokenizer
+
+    from .backends.onnx_export import cache_dir, cache_root
+    from .service import make_backend
+
+    entry = cache_dir(info, s.onnx_cache)
+    root = cache_root(s.onnx_cache)
+    # Two pods starting together on a shared cache: one prepares, the other waits and then finds it all made.
+    with open(root / f".{entry.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        tokenizer = Tokenizer.from_file(str(info.path / "tokenizer.json"))
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        backend = make_backend(s, info, tokenizer)
+        graph = Path(backend.model_path)
+        summary.update({
+            "prepared": backend.name, "cache_entry": str(entry), "graph": graph.name,
+            "graph_bytes": getattr(backend, "model_bytes", None), "dtype": backend.dtype,
+            "int8_cosine": getattr(backend, "int8_cosine", None),
+            "latency_graph": getattr(backend, "latency_graph", None),
+            "seconds": round(time.perf_counter() - t0, 1),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        })
+        del backend
+        try:
+            (entry / PREPARED_FILE).write_text(json.dumps(summary, indent=1))
+        except OSError:
+            pass  # read-only and already prepared: nothing new to record
+    return summary
+
+
+def main(s: Settings) -> int:
+    from .router.server import write_termination_message
+
+    try:
+        summary = prepare(s)
+    except ModelError as e:
+        log.error("prepare failed: %s", e)
+        write_termination_message(f"prepare failed: {e}")
+        return 3
+    except Exception as e:  # noqa: BLE001 - out of memory, disk full: say so in the pod's status
+        log.exception("prepare failed")
+        write_termination_message(f"prepare failed: {type(e).__name__}: {e}")
+        return 1
+    log.info("prepared %s", json.dumps(summary))
+    # the pod's status shows this (init container's termination message): what was made and at what cost
+    write_termination_message("prepared " + json.dumps(
+        {k: summary.get(k) for k in ("commit", "graph", "int8_cosine", "seconds", "peak_rss_mb")}))
+    return 0

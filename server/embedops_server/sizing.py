@@ -1,0 +1,165 @@
+"""Memory a replica needs, from the model's geometry and the serving settings: one formula for the operator
+(default requests/limits, refusals, the estimate in status) and the server (its start-up check).
+
+Pure arithmetic, no imports beyond the standard library: the operator image imports it without numpy or
+ONNX Runtime. The constants are fitted to peaks measured on the real-size models (bench/sizing.py prints the
+measured figures beside these estimates; docs/server.md#memory has the table).
+
+A replica's resident memory is
+
+    runtime           Python, the web stack, ONNX Runtime or torch (+ CUDA context on a GPU)
+  + tokenizers        one Rust tokenizer per worker thread, plus the event loop's and a spare
+  + weights           parameters x bytes per parameter (int8: one byte each, float32 four, float16 two)
+  + activations       the largest forward's live tensors, times the forwards that run side by side
+
+and the largest forward is the worse of two shapes: the longest accepted input alone (its attention scores
+grow with length^2: eager attention holds heads x length^2 scores per layer, 4.3 GB at 8192 tokens) and a full
+forward of the per-forward token budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """An encoder's shape (the fields of its config.json that memory depends on)."""
+    parameters: int
+    layers: int
+    hidden: int
+    heads: int
+    intermediate: int
+    vocab: int
+    max_positions: int  # longest input in tokens (model's own limit)
+
+    @classmethod
+    def from_config(cls, config: dict, max_input_length: int | None = None) -> "Geometry":
+        """From a transformers config.json; the parameter count is computed for BERT-style encoders."""
+        h = int(config["hidden_size"])
+        layers = int(config["num_hidden_layers"])
+        inter = int(config.get("intermediate_size") or 4 * h)
+        vocab = int(config["vocab_size"])
+        pos = int(config.get("max_position_embeddings") or 512)
+        types = int(config.get("type_vocab_size") or 0)
+        per_layer = 4 * h * h + 4 * h + 2 * h * inter + inter + h + 4 * h  # attention, FFN, two LayerNorms
+        params = (vocab + pos + types) * h + 2 * h + layers * per_layer
+        if (config.get("num_labels") or 0) and any(a.endswith("ForSequenceClassification")
+                                                   for a in config.get("architectures") or []):
+            params += h * h + h + h * int(config.get("num_labels") or 1) + 1  # classifier head
+        return cls(params, layers, h, int(config["num_attention_heads"]), inter, vocab,
+                   max_input_length or pos)
+
+
+BYTES_PER_PARAMETER = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "int8": 1.0}
+
+# Fitted on 2 cores (bench/sizing.py; docs/server.md#memory). The runtime is what an idle server holds besides
+# weights and tokenizers; a tokenizer's memory grows with its vocabulary (XLM-R's 250k-piece Unigram model).
+CPU_RUNTIME = 230 * MIB
+CUDA_RUNTIME = 600 * MIB  # CUDA context, cuBLAS/cuDNN workspaces (not measured here: no GPU lent yet)
+TOKENIZER_BYTES_PER_PIECE = 300
+TOKENIZER_BASE = 4 * MIB
+# glibc keeps freed activation buffers mapped for a while (ONNX Runtime without its arena allocates per
+# forward): the resident peak runs above the live tensors
+ACTIVATION_SLACK = 1.3
+
+
+@dataclass(frozen=True)
+class Estimate:
+    runtime: int
+    tokenizers: int
+    weights: int
+    activations: int
+    detail: str  # which forward shape decided the activations
+
+    @property
+    def total(self) -> int:
+        return self.runtime + self.tokenizers + self.weights + self.activations
+
+    def describe(self) -> str:
+        return (f"{gib(self.total)} (weights {gib(self.weights)}, activations {gib(self.activations)} "
+                f"for {self.detail}, runtime and tokenizers {gib(self.runtime + self.tokenizers)})")
+
+
+def gib(n: int | float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def forward_bytes(g: Geometry, rows: int, length: int, bytes_per_value: int = 4, eager_attention: bool = True) -> int:
+    """Live tensors of one encoder layer at its peak for ``rows`` x ``length`` padded tokens (the layers run
+    one after the other; their outputs replace their inputs). Hidden-sized tensors: the input, the residual,
+    query, key, value, context and output (7); two intermediate-sized ones (before and after the activation);
+    eager attention: scores and probabilities, rows x heads x length^2 each."""
+    tokens = rows * length
+    hidden = 7 * tokens * g.hidden
+    ffn = 2 * tokens * g.intermediate
+    attention = 2 * rows * g.heads * length * length if eager_attention else 2 * tokens * g.hidden
+    return (hidden + ffn + attention) * bytes_per_value
+
+
+def estimate(g: Geometry, *, dtype: str, device: str = "cpu", max_input_length: int | None = None,
+             forward_tokens: int = 1024, parallel_forwards: int = 1, tokenizers: int = 3) -> Estimate:
+    """Peak resident memory of one serving replica.
+
+    ``forward_tokens``: padded tokens per forward (CPU: the ONNX Runtime backend's 1024, or 256 per forward
+    with two side by side; CUDA: up to max-batch-tokens, which the warm-up runs in full). ``tokenizers``: Rust
+    tokenizer instances (workers + the event loop's + the synchronous one)."""
+    length = min(max_input_length or g.max_positions, g.max_positions)
+    cuda = device.startswith("cuda")
+    value_bytes = 2 if cuda and dtype in ("float16", "bfloat16") else 4  # int8 dynamic: float32 activations
+    # torch on CUDA runs SDPA (flash / memory-efficient kernels): no length^2 score matrix
+    eager = not cuda
+    longest = forward_bytes(g, 1, length, value_bytes, eager)
+    rows = max(1, forward_tokens // length)
+    full = forward_bytes(g, rows, min(length, forward_tokens), value_bytes, eager)
+    if full >= longest:
+        act, detail = full, f"{rows} x {min(length, forward_tokens)} tokens per forward"
+    else:
+        act, detail = longest, f"one {length}-token input"
+    act = int(act * parallel_forwards * (1.0 if cuda else ACTIVATION_SLACK))
+    if parallel_forwards > 1:
+        detail += f", {parallel_forwards} forwards side by side"
+    weights = int(g.parameters * BYTES_PER_PARAMETER[dtype])
+    tok = tokenizers * (TOKENIZER_BASE + TOKENIZER_BYTES_PER_PIECE * g.vocab)
+    return Estimate(CUDA_RUNTIME if cuda else CPU_RUNTIME, tok, weights, act, detail)
+
+
+# The one-time preparation (export, int8 quantization and its gate; bench/sizing.py measures each):
+# the float32 export holds the torch weights and the traced graph (~2 float32 copies), packing its external
+# data loads the graph once more; the quantizer holds the float32 graph, its shape-inferred copy and the int8
+# result; the gate runs a float32 and an int8 session side by side.
+PREPARE_FLOAT32_COPIES = {"export": 2.6, "quantize": 2.4, "gate": 1.6}
+
+
+def prepare_estimate(g: Geometry, *, quantize: bool, export: bool) -> int:
+    """Peak resident memory of `embedops-server prepare` for this model (the largest of its steps)."""
+    fp32 = g.parameters * 4
+    steps = []
+    if export:
+        steps.append(PREPARE_FLOAT32_COPIES["export"] * fp32)
+    if quantize:
+        steps.append(PREPARE_FLOAT32_COPIES["quantize"] * fp32)
+        steps.append(PREPARE_FLOAT32_COPIES["gate"] * fp32 + g.parameters)
+    return int(max(steps, default=0) + CPU_RUNTIME + TOKENIZER_BASE + TOKENIZER_BYTES_PER_PIECE * g.vocab)
+
+
+def round_up(n: int, step: int = 256 * MIB) -> int:
+    return -(-n // step) * step
+
+
+def quantity(n: int) -> str:
+    """A Kubernetes quantity in Mi (exact, readable)."""
+    return f"{-(-n // MIB)}Mi"
+
+
+def parse_quantity(q: str) -> int:
+    """Bytes of a Kubernetes memory quantity (Ki, Mi, Gi, Ti, k, M, G, T, plain bytes)."""
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10 ** 3, "M": 10 ** 6,
+             "G": 10 ** 9, "T": 10 ** 12, "m": 1e-3}
+    q = str(q).strip()
+    for suffix in sorted(units, key=len, reverse=True):
+        if q.endswith(suffix):
+            return int(float(q[: -len(suffix)]) * units[suffix])
+    return int(float(q))
