@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from . import report
+from .logs import log
 from .loadgen import Request, run_load_sync, summarize
 from .models import minilm_cross_encoder, minilm_dir
 from .textgen import TextGen, load_tokenizer
@@ -25,10 +26,6 @@ from . import workloads as W
 ALL_TARGETS = ["embedops-onnx", "embedops-onnx+quantize=int8", "embedops-torch", "infinity", "naive",
                "tei", "tei+int8", "tei-candle"]  # TEI: skipped in one line when not built (bench/tei.py)
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def log(*a) -> None:
-    print(time.strftime("[%H:%M:%S]"), *a, file=sys.stderr, flush=True)
 
 
 def machine_state() -> dict:

@@ -45,7 +45,7 @@ def run_gpu(args) -> dict:
     import torch
 
     from .ceiling import Tokenize, TorchForward, time_batches
-    from .cli import log
+    from .logs import log
     from .procs import _tree
     from .report import gpu_memory_from_metrics
     from .targets import embedops_target

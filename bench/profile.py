@@ -72,7 +72,7 @@ def _short(frame: str) -> str:
 
 def attach_pyspy(runner) -> None:
     """Wrap ``runner.http`` so embedops runs of the profiled scenarios are sampled."""
-    from .cli import log
+    from .logs import log
 
     exe = pyspy_exe()
     if not exe:

@@ -5,6 +5,8 @@ import math
 import re
 from pathlib import Path
 
+from .tei import is_tei, peer_for
+
 EMBEDOPS = ("embedops-onnx", "embedops-torch")
 
 
@@ -125,8 +127,6 @@ def table(res: dict) -> str:
             f"{_f(r.get('vs_ceiling'), '{:.2f}'):>9} {_f(r.get('vs_infinity'), '{:.2f}'):>10} "
             f"{_f(r.get('vs_naive-encode'), '{:.2f}'):>8} {_f(r.get('vs_inline-encode'), '{:.2f}'):>8} "
             f"{_f(r.get('p99_vs_infinity'), '{:.2f}'):>8} {_f(r.get('over_ceiling_ms'), '{:+.1f}'):>11}")
-    from .tei import ratio_lines as tei_ratio_lines
-
     lines += tei_ratio_lines(res)
     if res.get("rss"):
         lines += ["", "peak RSS (MB): " + ", ".join(f"{k} {v['peak_rss_mb']:.0f}" + (
@@ -273,4 +273,33 @@ def median_rows(rows: list[dict]) -> list[dict]:
                     m[k] = xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
         m["rounds"] = len(rs)
         out.append(m)
+    return out
+
+
+def tei_ratio_lines(res: dict) -> list[str]:
+    """embedops against TEI per scenario (>1 = embedops better): the scenario's figure, and p99 for HTTP
+    rows; float32 embedops against ``tei`` and ``tei-candle``, int8 against ``tei+int8``."""
+    idx = index(res)
+    if not any(is_tei(t) for _, t in idx):
+        return []
+    out = ["", "embedops vs TEI (>1 = embedops better; throughput a/b, latency b/a; same graph: int8 vs tei+int8)",
+           f"{'scenario':<10} {'target':<28} {'metric':<9} {'value':>9} {'TEI':>9} {'/tei':>6} "
+           f"{'p99/tei':>8} {'/candle':>8}"]
+    out.append("-" * len(out[-1]))
+    for s in sorted({s for s, _ in idx}, key=_scen_key):
+        m, better = metric_for(s)
+        for e in embedops_targets(res):
+            er = idx.get((s, e))
+            if not er or er.get("na") or not er.get("ok"):
+                continue
+            peer = idx.get((s, peer_for(e)))
+            cand = idx.get((s, "tei-candle")) if peer_for(e) == "tei" else None
+            if not peer and not cand:
+                continue
+            ok = lambda r: r and not r.get("na") and r.get("ok")
+            v = lambda r, k=m: r.get(k) if ok(r) else None
+            out.append(f"{s:<10} {e:<28} {m:<9} {_f(er.get(m)):>9} {_f(v(peer)):>9} "
+                       f"{_f(_ratio(er.get(m), v(peer), better), '{:.2f}'):>6} "
+                       f"{_f(_ratio(er.get('p99_ms'), v(peer, 'p99_ms'), 'lower'), '{:.2f}'):>8} "
+                       f"{_f(_ratio(er.get(m), v(cand), better), '{:.2f}'):>8}")
     return out

@@ -32,7 +32,7 @@ def slope_mb_per_min(points: list[tuple[float, float]]) -> float:
 def run_soak(args) -> dict:
     from pathlib import Path
 
-    from .cli import log
+    from .logs import log
 
     model = Path(args.model_id) if args.model_id else minilm_dir()
     tok = load_tokenizer(model)

@@ -216,37 +216,6 @@ def tei_target(name: str, model_dir: Path, *, rerank_model: Path | None = None, 
     return t
 
 
-# ---------------------------------------------------------------- report
-
-def ratio_lines(res: dict) -> list[str]:
-    """embedops against TEI per scenario (>1 = embedops better): the scenario's figure, and p99 for HTTP
-    rows; float32 embedops against ``tei`` and ``tei-candle``, int8 against ``tei+int8``."""
-    from . import report
-
-    idx = report.index(res)
-    if not any(is_tei(t) for _, t in idx):
-        return []
-    out = ["", "embedops vs TEI (>1 = embedops better; throughput a/b, latency b/a; same graph: int8 vs tei+int8)",
-           f"{'scenario':<10} {'target':<28} {'metric':<9} {'value':>9} {'TEI':>9} {'/tei':>6} "
-           f"{'p99/tei':>8} {'/candle':>8}"]
-    out.append("-" * len(out[-1]))
-    for s in sorted({s for s, _ in idx}, key=report._scen_key):
-        m, better = report.metric_for(s)
-        for e in report.embedops_targets(res):
-            er = idx.get((s, e))
-            if not er or er.get("na") or not er.get("ok"):
-                continue
-            peer = idx.get((s, peer_for(e)))
-            cand = idx.get((s, "tei-candle")) if peer_for(e) == "tei" else None
-            if not peer and not cand:
-                continue
-            ok = lambda r: r and not r.get("na") and r.get("ok")
-            v = lambda r, k=m: r.get(k) if ok(r) else None
-            out.append(f"{s:<10} {e:<28} {m:<9} {report._f(er.get(m)):>9} {report._f(v(peer)):>9} "
-                       f"{report._f(report._ratio(er.get(m), v(peer), better), '{:.2f}'):>6} "
-                       f"{report._f(report._ratio(er.get('p99_ms'), v(peer, 'p99_ms'), 'lower'), '{:.2f}'):>8} "
-                       f"{report._f(report._ratio(er.get(m), v(cand), better), '{:.2f}'):>8}")
-    return out
 
 
 def na_reason(name: str, scenario: str) -> str:

@@ -41,7 +41,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 # CI (.ci/run) sets EMBEDOPS_REQUIRE_ALL=1: there a test that skips because this machine lacks something (the
 # cluster binaries, the real node, podman, helm, a built controller) fails instead, so CI cannot pass with the
-# tests that matter most skipped. A developer's `make test` keeps the skip and prints its reason (-ra).
+# tests that matter most skipped. A developer's `make test` keeps the skip and prints its reason (-ra). Tests
+# marked `opt_in` (switched on by an environment variable: the 6 GB CUDA image) may still skip.
 REQUIRE_ALL = os.environ.get("EMBEDOPS_REQUIRE_ALL") == "1"
 
 
@@ -49,7 +50,7 @@ REQUIRE_ALL = os.environ.get("EMBEDOPS_REQUIRE_ALL") == "1"
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if REQUIRE_ALL and report.skipped and not hasattr(report, "wasxfail"):
+    if REQUIRE_ALL and report.skipped and not hasattr(report, "wasxfail") and not item.get_closest_marker("opt_in"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped, and EMBEDOPS_REQUIRE_ALL=1 (CI) allows no skip: {reason}"

@@ -136,13 +136,13 @@ def test_ratio_lines():
         {"scenario": "4-rerank", "target": "embedops-onnx", "kind": "http", "ok": 1, "p50_ms": 100.0},
         {"scenario": "4-rerank", "target": "tei+int8", "kind": "http", "na": "x"},
     ]
-    lines = tei.ratio_lines({"rows": rows})
+    lines = report.tei_ratio_lines({"rows": rows})
     one = next(x for x in lines if x.startswith("1-online"))
     assert one.split()[-3:] == ["0.80", "0.75", "2.00"]
     two = next(x for x in lines if x.startswith("2-c16"))
     assert two.split()[-3:] == ["2.00", "2.00", "-"]
     assert not any(x.startswith("4-rerank") for x in lines)
-    assert tei.ratio_lines({"rows": rows[:1]}) == []
+    assert report.tei_ratio_lines({"rows": rows[:1]}) == []
     assert "embedops vs TEI" in report.table({"rows": rows, "meta": {}})
     assert json.dumps(lines)
 

@@ -286,6 +286,7 @@ def test_archives_import_into_containerd(built, containerd):
     print(f"\nimported {len(built)} archives in {took:.1f}s")
 
 
+@pytest.mark.opt_in
 @pytest.mark.skipif(os.environ.get("EMBEDOPS_CUDA_IMAGE") != "1",
                     reason="the CUDA image is ~6 GB and ~10 min to build: set EMBEDOPS_CUDA_IMAGE=1 to test it")
 def test_cuda_image_exports_and_serves_on_cpu(models, container):

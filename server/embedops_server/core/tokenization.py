@@ -48,8 +48,11 @@ class TokenizerPool:
     def __init__(self, tokenizer_path: str, workers: int):
         self.path = tokenizer_path
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # One tokenizer for the submitting thread's small jobs and the synchronous uses (/tokenize, decode, the
+        # int8 gate); the lock keeps a second user off its truncation settings. A copy each would cost memory
+        # that grows with the vocabulary: ~110 MB per instance for XLM-R's 250k pieces (bge-m3).
         self._base = self._load()
-        self._inline = self._load()  # the submitting thread's; the lock keeps a second submitter off it
+        self._inline = self._base
         self._inline_lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._run, name=f"tokenizer-{i}", daemon=True) for i in range(workers)
@@ -66,8 +69,14 @@ class TokenizerPool:
 
     @property
     def tokenizer(self) -> Tokenizer:
-        """A clone for the occasional synchronous use (tokenize/decode endpoints, warm-up)."""
+        """For reading the vocabulary and decoding (settings-free); encode through `encode_untruncated`."""
         return self._base
+
+    def encode_untruncated(self, texts: list, add_special_tokens: bool = True) -> list:
+        """The synchronous encode (/tokenize): on the shared tokenizer, under its lock, without truncation."""
+        with self._inline_lock:
+            self._base.no_truncation()
+            return self._base.encode_batch(texts, add_special_tokens=add_special_tokens)
 
     def submit(self, job: EncodeJob) -> None:
         """Encode `job` now on this thread if it is small (its `done` runs here), else on a worker."""

@@ -191,8 +191,7 @@ async def tokenize(request: Request, body: TokenizeRequest):
     limit = svc.max_input_length * 250
     if any(len(t) > limit for t in texts):
         raise ApiError(VALIDATION, f"Input validation error: `inputs` must have less than {limit} characters")
-    tok = svc.tokenizers.tokenizer
-    encs = await asyncio.to_thread(tok.encode_batch, texts, add_special_tokens=body.add_special_tokens)
+    encs = await asyncio.to_thread(svc.tokenizers.encode_untruncated, texts, body.add_special_tokens)
     out = []
     for text, e in zip(texts, encs):
         toks = []
