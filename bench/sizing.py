@@ -75,7 +75,8 @@ def run_serve(model: Path, quantize: str | None, task: str, cache: Path, args) -
             "--port", str(port), "--hostname", "127.0.0.1"]
     log_file = open(Path(tempfile.gettempdir()) / f"bench-sizing-{task}-{quantize or 'fp32'}.log", "w")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, env=_env(), stdout=log_file, stderr=subprocess.STDOUT)
+    env = {**_env(), **dict(kv.split("=", 1) for kv in args.server_env)}
+    proc = subprocess.Popen(argv, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         while True:
@@ -152,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--rerank-docs", type=int, default=50)
     p.add_argument("--startup-timeout", type=float, default=900)
+    p.add_argument("--server-env", action="append", default=[], metavar="K=V",
+                   help="environment of the server process (e.g. MALLOC_ARENA_MAX=2), repeatable")
     p.add_argument("--keep-cache", help="prepare into this folder and keep it (default: a temporary one)")
     args = p.parse_args(argv)
 

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from . import apply as A
 from . import litellm as LL
+from . import memory as M
 from . import render as R
 from . import spec as S
 from . import status as ST
@@ -81,6 +82,11 @@ class Reconciler:
                 observed.invalid = "; ".join(
                     f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
             if manifests is not None:
+                # a spec that cannot fit its memory or MIG slice is refused before anything is applied: its
+                # pods would only be OOM-killed or never load (the status says what it needs)
+                spec = S.parse(resource).spec
+                observed.refused = M.refusal(spec, R.sizing_of(spec))
+            if manifests is not None and observed.refused is None:
                 observed.missing = R.missing_capabilities(resource, options)
                 if apply_children:
                     try:

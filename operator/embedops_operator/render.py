@@ -12,6 +12,9 @@ from typing import Any
 
 from jinja2 import Environment, StrictUndefined
 
+from embedops_server import sizing
+
+from . import memory as M
 from . import spec as S
 
 MANAGER = "embedops"
@@ -172,11 +175,20 @@ def content_hash(obj: Any) -> str:
 
 # ---------------------------------------------------------------------------------------------------- pod
 
+ONNX_CACHE = "/var/cache/embedops"  # the prepared ONNX graphs (model.cache, else an emptyDir per pod)
+DEFAULT_CACHE_SIZE = "8Gi"  # the ONNX cache emptyDir of a model the operator cannot size
+
+
+def sizing_of(spec: S.EmbeddingServiceSpec) -> M.Sizing | None:
+    return M.estimate(spec, dtype(spec))
+
+
 def _resources(spec: S.EmbeddingServiceSpec) -> dict:
     acc = spec.accelerator
     if acc.cpu:
-        res = {"requests": {"cpu": str(acc.cpu.cores), "memory": acc.cpu.memory},
-               "limits": {"cpu": str(acc.cpu.cores), "memory": acc.cpu.memory}}
+        mem = M.cpu_memory(spec, sizing_of(spec))
+        res = {"requests": {"cpu": str(acc.cpu.cores), "memory": mem},
+               "limits": {"cpu": str(acc.cpu.cores), "memory": mem}}
     elif acc.mig:
         key = f"nvidia.com/mig-{acc.mig.profile}" if acc.mig.strategy == "mixed" else "nvidia.com/gpu"
         res = {"requests": {"cpu": "2", "memory": "8Gi"},
@@ -222,6 +234,8 @@ def _args(spec: S.EmbeddingServiceSpec) -> list[str]:
              "--auto-truncate", "true" if b.auto_truncate else "false"]
     if b.max_batch_requests:
         args += ["--max-batch-requests", str(b.max_batch_requests)]
+    if m.max_input_length:  # bounds the longest input, the warm-up and the attention memory
+        args += ["--max-input-length", str(m.max_input_length)]
     if m.quantize:
         args += ["--quantize", m.quantize]
     if spec.accelerator.cpu:  # intra-op threads match the CPU limit
@@ -252,12 +266,18 @@ def _env(spec: S.EmbeddingServiceSpec, cache_dir: str | None) -> list[dict]:
     src = spec.model.source
     if src and (src.pvc or src.download):
         env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
+    env.append({"name": "ONNX_CACHE", "value": ONNX_CACHE})
     if spec.accelerator.cpu:
         threads = str(spec.accelerator.cpu.cores)
+        est = sizing_of(spec)
+        # A large model's forwards take seconds: one tokenizer thread keeps up, and each tokenizer instance
+        # holds its vocabulary (~110 MB for XLM-R's 250k pieces)
+        big = est is not None and est.replica.weights > M.PARALLEL_MAX_WEIGHTS
+        workers = 1 if big else max(1, min(4, spec.accelerator.cpu.cores // 2))
         env += [{"name": "OMP_NUM_THREADS", "value": threads},
                 {"name": "MKL_NUM_THREADS", "value": threads},
                 {"name": "ORT_NUM_THREADS", "value": threads},
-                {"name": "TOKENIZATION_WORKERS", "value": str(max(1, min(4, spec.accelerator.cpu.cores // 2)))}]
+                {"name": "TOKENIZATION_WORKERS", "value": str(workers)}]
     if spec.api_key_secret_ref:
         env.append({"name": "API_KEY", "valueFrom": {"secretKeyRef": {
             "name": spec.api_key_secret_ref.name, "key": spec.api_key_secret_ref.key}}})
@@ -311,9 +331,23 @@ def pod_template(name: str, spec: S.EmbeddingServiceSpec, options: Options) -> d
                 "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
                 "securityContext": _container_security(),
             })
+    est = sizing_of(spec)
+    cache = spec.model.cache
+    if cache:  # outlives the pod: the first pod's prepare step fills it, later pods load what it made
+        volumes.append({"name": "onnx-cache", "persistentVolumeClaim": {"claimName": cache.claim_name}})
+    else:
+        size = sizing.quantity(sizing.round_up(est.cache, 1 << 30)) if est and est.cache else DEFAULT_CACHE_SIZE
+        volumes.append({"name": "onnx-cache", "emptyDir": {"sizeLimit": size}})
+    cache_mount: dict[str, Any] = {"name": "onnx-cache", "mountPath": ONNX_CACHE}
+    if cache and cache.sub_path:
+        cache_mount["subPath"] = cache.sub_path
+    # the server only reads what the prepare step made: a server that would write there is a bug, not a fallback
+    server_mounts = mounts + [{**cache_mount, "readOnly": True}]
+    init.append(_prepare_container(spec, image, _args(spec), _env(spec, cache_dir),
+                                   [dict(m) for m in mounts] + [cache_mount], est))
     if gpu:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}})
-        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        server_mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
 
     container: dict[str, Any] = {
         "name": "server",
@@ -327,7 +361,7 @@ def pod_template(name: str, spec: S.EmbeddingServiceSpec, options: Options) -> d
         "readinessProbe": _probe(period=5, failures=2),
         "livenessProbe": _probe(period=10, failures=3, timeout=5),
         "lifecycle": {"preStop": {"sleep": {"seconds": spec.drain_seconds}}} if spec.drain_seconds else None,
-        "volumeMounts": mounts,
+        "volumeMounts": server_mounts,
         "securityContext": _container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
@@ -374,6 +408,38 @@ def pod_template(name: str, spec: S.EmbeddingServiceSpec, options: Options) -> d
     return {"metadata": metadata, "spec": pod_spec}
 
 
+def _prepare_container(spec: S.EmbeddingServiceSpec, image: str, args: list[str], env: list[dict],
+                       mounts: list[dict], est: M.Sizing | None) -> dict:
+    """`embedops-server prepare` with the server's own flags: the ONNX export, int8 quantization and its
+    quality check made once into the ONNX cache (a second run finds them and exits in about a second), so the
+    server loads only the prepared graph. Its termination message (what it made, the model commit) is read
+    into the EmbeddingService's status. It requests what the server requests (scheduling and the pod's
+    effective request are unchanged) and may burst to the preparation's estimated peak: bge-m3 int8 needs
+    ~9 GB once, then 1.5-2 GB to serve."""
+    server = _resources(spec)
+    if spec.accelerator.cpu:
+        requests = dict(server["requests"])
+        memory = server["limits"]["memory"]
+        if est is not None and est.prepare:
+            need = sizing.round_up(int(est.prepare * M.HEADROOM))
+            if need > sizing.parse_quantity(memory):
+                memory = sizing.quantity(need)
+        limits = {"cpu": server["limits"]["cpu"], "memory": memory}
+    else:  # torch on a GPU: nothing to prepare; it resolves the model and reports its commit
+        requests, limits = {"cpu": "250m", "memory": "512Mi"}, {"memory": "2Gi"}
+    return {
+        "name": "prepare",
+        "image": image,
+        "command": ["embedops-server", "prepare"],
+        "args": [a for a in args if a != "--json-output"] + ["--json-output"],
+        "env": env,
+        "volumeMounts": mounts,
+        "resources": {"requests": requests, "limits": limits},
+        "securityContext": _container_security(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+
+
 def _container_security() -> dict:
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
             "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
@@ -391,9 +457,15 @@ def _meta(name: str, namespace: str, labels: dict, owner: dict | None) -> dict:
 def deployment(name: str, ns: str, spec: S.EmbeddingServiceSpec, options: Options, owner: dict | None) -> dict:
     labels = common_labels(name, detect_task(spec.model))
     if spec.accelerator.cpu:
-        strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+        rolling: dict[str, Any] = {"maxSurge": 1, "maxUnavailable": 0}
     else:  # the old pod gives its slice/GPU up first: no deadlock when no spare accelerator exists
-        strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+        rolling = {"maxSurge": 0, "maxUnavailable": 1}
+    if spec.rollout:  # e.g. one GPU replica with a spare slice: surge instead of an outage for a model load
+        if spec.rollout.max_surge is not None:
+            rolling["maxSurge"] = spec.rollout.max_surge
+        if spec.rollout.max_unavailable is not None:
+            rolling["maxUnavailable"] = spec.rollout.max_unavailable
+    strategy = {"type": "RollingUpdate", "rollingUpdate": rolling}
     dspec: dict[str, Any] = {}
     if not spec.autoscaling:
         dspec["replicas"] = spec.replicas

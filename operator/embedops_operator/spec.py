@@ -126,6 +126,27 @@ class Prompts(Model):
     default_prompt: str | None = Field(None, description="Literal prefix added to every input.")
 
 
+class ModelGeometry(Model):
+    """The model's shape, for the memory estimate (the fields of its config.json). Known models (bge-m3,
+    bge-reranker-v2-m3, the bge and e5 families, all-MiniLM-L6-v2, ...) need none."""
+    hidden_size: int = Field(ge=1)
+    layers: int = Field(ge=1, description="num_hidden_layers")
+    heads: int = Field(ge=1, description="num_attention_heads")
+    intermediate_size: int | None = Field(None, ge=1, description="Default: 4 x hiddenSize.")
+    vocab_size: int = Field(ge=1)
+    max_positions: int = Field(512, ge=1, description="Longest input the model accepts, in tokens.")
+    parameters: int | None = Field(None, ge=1, description="Default: computed from the fields above (BERT-style).")
+
+
+class ModelCache(Model):
+    """Where the prepared ONNX graph (export, int8 quantization and its quality check) is kept. Default: an
+    emptyDir per pod, so every new pod prepares again (minutes and several GB for a 568M model). A claim here
+    outlives pods: the first pod's prepare step fills it, later pods load what it made. Use a ReadWriteMany
+    claim for replicas on several nodes."""
+    claim_name: str = Field(min_length=1, description="PersistentVolumeClaim holding the cache (read-write).")
+    sub_path: str | None = Field(None, description="Sub-path inside the volume.")
+
+
 class ModelSpec(Model):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, json_schema_extra={
         "x-kubernetes-validations": [
@@ -159,6 +180,9 @@ class ModelSpec(Model):
                     "Default: dense only.")
     prompts: Prompts | None = None
     source: ModelSource | None = Field(None, description="Where the weights come from (default: downloaded by the server at start).")
+    geometry: ModelGeometry | None = Field(None, description="The model's shape, for the memory estimate of a "
+                                                             "model the operator does not know.")
+    cache: ModelCache | None = Field(None, description="A volume for the prepared ONNX graph that outlives pods.")
 
 
 # ---------------------------------------------------------------------------------------------------- hardware
@@ -200,7 +224,10 @@ class GPU(Model):
 
 class CPU(Model):
     cores: int = Field(4, ge=1, le=256, description="CPU cores per replica (request = limit; sets thread counts).")
-    memory: Quantity = Field("4Gi", description="Memory per replica.")
+    memory: Quantity | None = Field(
+        None, description="Memory per replica (request = limit). Default: the operator's estimate for the model "
+                          "and these settings with 25% headroom (status.memory), or 4Gi for a model it does "
+                          "not know (set model.geometry). A value below the estimate is refused.")
     instruction_sets: list[InstructionSet] = Field(
         default_factory=list, description="Required instruction sets, mapped to NFD cpuid labels.",
         json_schema_extra={"x-kubernetes-list-type": "set"})
@@ -244,6 +271,18 @@ class Autoscaling(Model):
         "auto", description="auto: KEDA ScaledObject when KEDA is installed, else an HPA.")
     prometheus_address: str = Field("http://prometheus-operated.monitoring.svc:9090",
                                     description="Prometheus queried by KEDA.")
+
+
+IntOrPercent = Annotated[int | str, WithJsonSchema(
+    {"x-kubernetes-int-or-string": True})]
+
+
+class Rollout(Model):
+    """The Deployment's rolling update. Default: CPU surges (maxSurge 1, maxUnavailable 0); GPU and MIG give
+    the old pod's slice up first (maxSurge 0, maxUnavailable 1), which for one replica is an outage for the
+    length of a model load: set maxSurge 1 and maxUnavailable 0 where a spare slice exists."""
+    max_surge: IntOrPercent | None = None
+    max_unavailable: IntOrPercent | None = None
 
 
 class ServiceSpec(Model):
@@ -310,6 +349,7 @@ class EmbeddingServiceSpec(Model):
     monitoring: Monitoring = Field(default_factory=Monitoring, json_schema_extra={"default": {}})
     api_key_secret_ref: SecretKeyRef | None = Field(None, description="Secret key holding the API key (env API_KEY).")
     drain_seconds: int = Field(15, ge=0, le=600, description="preStop delay that lets in-flight requests finish.")
+    rollout: Rollout | None = None
     # pod-level overrides
     image: str | None = None
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
@@ -342,6 +382,18 @@ class Endpoints(Model):
     external: str | None = None
 
 
+class MemoryStatus(Model):
+    estimate: str | None = Field(None, description="The operator's estimate of a replica's peak memory.")
+    limit: str | None = Field(None, description="What a replica gets: its memory limit, or its MIG slices.")
+    prepare: str | None = Field(None, description="The prepare step's estimated one-time peak (its limit).")
+    detail: str | None = Field(None, description="How the estimate is made up, and where the geometry came from.")
+
+
+class ServedModel(Model):
+    commit: str | None = Field(None, description="The model commit the newest ready pod serves (its prepare step's report).")
+    prepared: str | None = Field(None, description="What that pod's prepare step made, and its cost.")
+
+
 class EmbeddingServiceStatus(Model):
     observed_generation: int | None = None
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
@@ -356,6 +408,8 @@ class EmbeddingServiceStatus(Model):
     replicas_summary: str | None = Field(None, description="ready/desired, for kubectl get.")
     url: str | None = None
     endpoints: Endpoints | None = None
+    memory: MemoryStatus | None = None
+    model: ServedModel | None = None
 
 
 class EmbeddingService(Model):
@@ -430,6 +484,9 @@ PRINTER_COLUMNS = [
     {"name": "URL", "type": "string", "jsonPath": ".status.url"},
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
     {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason', "priority": 1},
+    {"name": "Memory", "type": "string", "jsonPath": ".status.memory.estimate", "priority": 1,
+     "description": "estimated peak memory per replica"},
+    {"name": "Commit", "type": "string", "jsonPath": ".status.model.commit", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

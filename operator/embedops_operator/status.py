@@ -25,6 +25,7 @@ class Observed:
     missing: dict[str, str] = field(default_factory=dict)  # feature → missing CRD kind
     invalid: str | None = None  # a spec problem found outside the schema
     apply_error: str | None = None
+    refused: tuple[str, str] | None = None  # (reason, message): the spec cannot fit its memory (memory.refusal)
 
 
 def _parse_time(value: str | None) -> dt.datetime | None:
@@ -57,7 +58,22 @@ def stall_check_in(pods: list[dict], now: dt.datetime, stall_after: float) -> fl
     return min(waits) if waits else None
 
 
-def _pod_problem(pods: list[dict], now: dt.datetime, stall_after: float) -> tuple[str, str] | None:
+def _memory_note(pod: dict, container: str | None, memory: dict | None) -> str:
+    """'; limit 2Gi, the operator estimates 1.4Gi (...)' for an OOMKilled container."""
+    limit = None
+    for c in ((pod.get("spec") or {}).get("initContainers") or []) + ((pod.get("spec") or {}).get("containers") or []):
+        if c.get("name") == container:
+            limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
+    note = f"; its limit is {limit}" if limit else ""
+    if memory and memory.get("estimate"):
+        key = "prepare" if container == "prepare" else "estimate"
+        if memory.get(key):
+            note += f", the operator estimates {memory[key]} ({memory.get('detail', '')})"
+    return note + ": raise accelerator.cpu.memory (or resources.limits.memory), or lower model.maxInputLength"
+
+
+def _pod_problem(pods: list[dict], now: dt.datetime, stall_after: float,
+                 memory: dict | None = None) -> tuple[str, str] | None:
     """The first terminal-looking pod problem: (reason, message)."""
     for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("name", "")):
         if pod.get("metadata", {}).get("deletionTimestamp"):
@@ -76,8 +92,14 @@ def _pod_problem(pods: list[dict], now: dt.datetime, stall_after: float) -> tupl
             detail = f"container {cs.get('name')} of pod {pod['metadata']['name']}: {why}"
             if waiting.get("message"):
                 detail += f": {waiting['message']}"
+            ended = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated") or {}
+            if ended.get("reason") == "OOMKilled":
+                return "OOMKilled", (f"container {cs.get('name')} of pod {pod['metadata']['name']} was killed for "
+                                     f"memory (OOMKilled, {cs.get('restartCount', 0)} restarts)"
+                                     + _memory_note(pod, cs.get("name"), memory))
             if why == "CrashLoopBackOff":
-                return "CrashLoop", detail
+                said = (ended.get("message") or "").strip()
+                return "CrashLoop", detail + (f"; it said: {said.splitlines()[-1][:500]}" if said else "")
             if why in IMAGE_PULL:
                 return "ImagePullFailure", detail
             if why in CONFIG_ERRORS:
@@ -139,13 +161,21 @@ def compute(resource: dict, observed: Observed, options: R.Options | None = None
 
     # Stalled: terminal problems that retrying will not fix on its own.
     stalled: tuple[str, str] | None = None
+    memory = _memory_status(spec) if spec is not None else None
+    if memory:
+        status["memory"] = memory
+    served = _served_model(observed.pods)
+    if served:
+        status["model"] = served
     if observed.invalid:
         stalled = ("InvalidSpec", observed.invalid)
+    elif observed.refused:
+        stalled = observed.refused
     elif dep is not None:
         for dc in dstat.get("conditions") or []:
             if dc.get("type") == "Progressing" and dc.get("reason") == "ProgressDeadlineExceeded":
                 stalled = ("ProgressDeadlineExceeded", dc.get("message", "rollout exceeded its deadline"))
-        problem = _pod_problem(observed.pods, now, stall_after)
+        problem = _pod_problem(observed.pods, now, stall_after, memory)
         if problem:
             if stalled and problem[0] == "InsufficientAccelerator":
                 stalled = ("RolloutBlockedInsufficientAccelerator", problem[1])
@@ -202,6 +232,50 @@ def compute(resource: dict, observed: Observed, options: R.Options | None = None
 
     status["conditions"] = conditions
     return status
+
+
+def _memory_status(spec: S.EmbeddingServiceSpec) -> dict | None:
+    from embedops_server import sizing
+
+    from . import memory as M
+
+    est = R.sizing_of(spec)
+    if est is None:
+        return {"detail": f"no estimate: the operator does not know {spec.model.id}'s geometry (set model.geometry)"}
+    out = {"estimate": sizing.quantity(est.replica.total), "detail": f"{est.replica.describe()}; {est.source}"}
+    if spec.accelerator.cpu:
+        out["limit"] = M.cpu_memory(spec, est)
+    elif spec.accelerator.mig:
+        out["limit"] = f"{spec.accelerator.mig.count} x {spec.accelerator.mig.profile}"
+    if est.prepare:
+        out["prepare"] = sizing.quantity(est.prepare)
+    return out
+
+
+def _served_model(pods: list[dict]) -> dict | None:
+    """The commit and preparation report of the newest ready pod, from its prepare init container's
+    termination message ('prepared {"commit": ..., ...}')."""
+    import json
+
+    def ready(p: dict) -> bool:
+        return any(c.get("type") == "Ready" and c.get("status") == "True"
+                   for c in (p.get("status") or {}).get("conditions") or [])
+
+    for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("creationTimestamp") or "", reverse=True):
+        if not ready(pod):
+            continue
+        for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
+            msg = (((cs.get("state") or {}).get("terminated") or {}).get("message") or "").strip()
+            if cs.get("name") == "prepare" and msg.startswith("prepared "):
+                try:
+                    report = json.loads(msg[len("prepared "):])
+                except ValueError:
+                    continue
+                out = {"prepared": ", ".join(f"{k} {v}" for k, v in report.items() if k != "commit" and v is not None)}
+                if report.get("commit"):
+                    out["commit"] = report["commit"]
+                return out
+    return None
 
 
 def normalized(status: dict | None) -> dict:

@@ -153,7 +153,9 @@ def test_model_from_pvc_is_read_only_and_offline():
     assert {"name": "models", "mountPath": "/models", "readOnly": True, "subPath": "st"} in c["volumeMounts"]
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["HF_HUB_OFFLINE"] == "1" and env["HF_HOME"] == "/models"
-    assert "initContainers" not in pod
+    assert [i["name"] for i in pod["initContainers"]] == ["prepare"]  # no download from a PVC
+    assert {"name": "models", "mountPath": "/models", "readOnly": True, "subPath": "st"} in \
+        pod["initContainers"][0]["volumeMounts"]
 
 
 def test_model_download_init_container():
@@ -351,7 +353,7 @@ def test_render_is_pure_and_deterministic():
 
 # ---------------------------------------------------------------------------------------------------- examples / CLI
 
-EXAMPLE_FILES = ["mig-embedder.yaml", "mig-reranker.yaml", "cpu-ingestion.yaml"]
+EXAMPLE_FILES = ["mig-embedder.yaml", "mig-reranker.yaml", "cpu-ingestion.yaml", "bge-m3-cpu-ingestion.yaml"]
 
 
 @pytest.mark.parametrize("name", EXAMPLE_FILES)
@@ -382,7 +384,7 @@ def test_kustomization_and_flux_examples():
     docs = list(yaml.safe_load_all((EXAMPLES / "flux" / "kustomizations.yaml").read_text()))
     services = next(d for d in docs if d["metadata"]["name"] == "embedding-services")
     assert services["spec"]["wait"] is True and services["spec"]["path"] == "./examples"
-    assert {h["name"] for h in services["spec"]["healthChecks"]} == {"bge-m3", "bge-reranker", "minilm-ingest"}
+    assert {h["name"] for h in services["spec"]["healthChecks"]} == {"bge-m3", "bge-reranker", "minilm-ingest", "bge-m3-ingest"}
     assert services["spec"]["dependsOn"] == [{"name": "embedops-operator"}]
     src = yaml.safe_load((EXAMPLES / "flux" / "gitrepository.yaml").read_text())
     assert src["kind"] == "GitRepository"

@@ -191,11 +191,17 @@ def _external_tensors(graph_model) -> list:
     return [t for t in out if t.data_location == TensorProto.EXTERNAL]
 
 
+INLINE_WEIGHTS_BYTES = 64 << 20  # an ONNX file this big holds its weights itself (external-data graphs are small)
+
+
 def graph_files(path: Path) -> list[Path]:
     """The ONNX file and every external data file it names (the Hub's bge-m3: onnx/model.onnx plus
-    model.onnx_data)."""
+    model.onnx_data). A large file is not parsed: it holds its weights inline (parsing bge-m3's 0.57 GB int8
+    graph just to find none would hold another copy of it in memory at start)."""
     import onnx
 
+    if path.stat().st_size > INLINE_WEIGHTS_BYTES:
+        return [path]
     graph = onnx.load(str(path), load_external_data=False)
     files = {path}
     for t in _external_tensors(graph):

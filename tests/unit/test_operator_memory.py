@@ -1,0 +1,183 @@
+"""Sizing by the operator: memory estimated from the model's geometry and the spec, used for default requests,
+refusals, the prepare step's limit and the status; OOMKilled and the served commit in the status."""
+from __future__ import annotations
+
+import copy
+import json
+
+from embedops_operator import memory as M
+from embedops_operator import render as R
+from embedops_operator import spec as S
+from embedops_operator import status as ST
+from embedops_operator.validate import defaulted
+from embedops_server import sizing
+from tests.unit.operator_helpers import MIG, by_kind, container, es, pod_spec
+
+from .test_operator_status import NOW, conds, deployment
+
+# the seed's CPU ingestion service (examples/bge-m3-cpu-ingestion.yaml)
+INGEST = {"model": {"id": "BAAI/bge-m3", "quantize": "int8", "maxInputLength": 512},
+          "accelerator": {"cpu": {"cores": 4}}, "batching": {"maxBatchTokens": 8192}}
+
+
+def parsed(spec: dict) -> S.EmbeddingServiceSpec:
+    return S.parse(defaulted(es(spec))).spec
+
+
+def render(spec: dict) -> list[dict]:
+    return R.render(defaulted(es(spec)))
+
+
+def test_catalog_geometry_gives_bge_m3s_parameter_count():
+    g, source = M.geometry(parsed(INGEST))
+    assert source == "catalog bge-m3" and abs(g.parameters - 566.7e6) < 0.5e6  # the real model's count
+    assert (g.layers, g.hidden, g.heads, g.vocab, g.max_positions) == (24, 1024, 16, 250002, 8192)
+    local = copy.deepcopy(INGEST)
+    local["model"]["id"] = "/models/bge-m3"  # a local folder named like the model
+    assert M.geometry(parsed(local))[0] == g
+
+
+def test_config_parameter_count_matches_the_built_model():
+    """Geometry.from_config counts what transformers builds (bench/real_size.py's model: 566,704,128 with
+    type_vocab_size 1 and no pooler)."""
+    cfg = {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096,
+           "vocab_size": 250002, "max_position_embeddings": 8194, "type_vocab_size": 1}
+    assert abs(sizing.Geometry.from_config(cfg).parameters - 566_704_128) < 1e5
+
+
+def test_cpu_default_memory_comes_from_the_estimate_and_the_prepare_step_may_burst():
+    out = render(INGEST)
+    c, pod = container(out), pod_spec(out)
+    est = R.sizing_of(parsed(INGEST))
+    mem = c["resources"]["limits"]["memory"]
+    assert c["resources"]["requests"]["memory"] == mem
+    assert est.replica.total < sizing.parse_quantity(mem) <= 2 * 2 ** 30  # the issue's 2 GB peak target
+    assert c["args"][c["args"].index("--max-input-length") + 1] == "512"
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["TOKENIZATION_WORKERS"] == "1" and env["ONNX_CACHE"] == R.ONNX_CACHE  # one 110 MB tokenizer
+    prep = next(i for i in pod["initContainers"] if i["name"] == "prepare")
+    assert prep["command"] == ["embedops-server", "prepare"] and prep["args"] == c["args"]
+    assert prep["resources"]["requests"] == c["resources"]["requests"]  # scheduling as the server
+    assert sizing.parse_quantity(prep["resources"]["limits"]["memory"]) >= est.prepare
+    # the cache: its own volume (not the 2Gi /tmp), written by prepare, read-only for the server
+    cache = next(v for v in pod["volumes"] if v["name"] == "onnx-cache")
+    assert sizing.parse_quantity(cache["emptyDir"]["sizeLimit"]) >= est.cache
+    assert {"name": "onnx-cache", "mountPath": R.ONNX_CACHE, "readOnly": True} in c["volumeMounts"]
+    assert {"name": "onnx-cache", "mountPath": R.ONNX_CACHE} in prep["volumeMounts"]
+
+
+def test_a_cache_claim_outlives_pods():
+    spec = copy.deepcopy(INGEST)
+    spec["model"]["cache"] = {"claimName": "bge-m3-onnx", "subPath": "cpu"}
+    pod = pod_spec(render(spec))
+    assert {"name": "onnx-cache", "persistentVolumeClaim": {"claimName": "bge-m3-onnx"}} in pod["volumes"]
+    prep = next(i for i in pod["initContainers"] if i["name"] == "prepare")
+    assert {"name": "onnx-cache", "mountPath": R.ONNX_CACHE, "subPath": "cpu"} in prep["volumeMounts"]
+
+
+def test_longest_input_decides_cpu_memory():
+    """Eager attention holds heads x length^2 scores: without maxInputLength bge-m3 accepts 8192 tokens and
+    needs about 10x the memory of a 512-token service."""
+    long = copy.deepcopy(INGEST)
+    del long["model"]["maxInputLength"]
+    short, full = R.sizing_of(parsed(INGEST)).replica, R.sizing_of(parsed(long)).replica
+    assert "8192-token input" in full.detail and full.total > 8 * short.total
+
+
+def test_memory_below_the_estimate_is_refused_with_what_it_needs():
+    spec = copy.deepcopy(INGEST)
+    spec["accelerator"]["cpu"]["memory"] = "1Gi"
+    reason, msg = M.refusal(parsed(spec), R.sizing_of(parsed(spec)))
+    assert reason == "InsufficientMemory" and "accelerator.cpu.memory is 1Gi" in msg and "maxInputLength" in msg
+    spec["accelerator"]["cpu"]["memory"] = "2Gi"
+    assert M.refusal(parsed(spec), R.sizing_of(parsed(spec))) is None
+    # the status of a refused service: Stalled, with the reason and the estimate
+    res = defaulted(es(spec))
+    obs = ST.Observed(refused=("InsufficientMemory", "needs more"))
+    st = ST.compute(res, obs, R.Options(), now=NOW)
+    assert conds(st)["Stalled"] == ("True", "InsufficientMemory") and conds(st)["Ready"][0] == "False"
+    assert st["memory"]["estimate"].endswith("Mi") and st["memory"]["limit"] == "2Gi"
+
+
+def test_bge_m3_fp16_fits_a_1g_10gb_slice_and_a_huge_budget_does_not():
+    est = R.sizing_of(parsed(MIG))
+    assert 2.0 * 2 ** 30 < est.replica.total < 3.0 * 2 ** 30  # the seed's ~2.5 GB per replica
+    assert M.refusal(parsed(MIG), est) is None
+    huge = copy.deepcopy(MIG)
+    huge["model"]["maxInputLength"] = 8192
+    huge["batching"] = {"maxBatchTokens": 262144}
+    reason, msg = M.refusal(parsed(huge), R.sizing_of(parsed(huge)))
+    assert reason == "ExceedsMIGSlice" and "1 x 1g.10gb" in msg
+
+
+def test_unknown_model_keeps_the_old_default_and_says_why():
+    spec = {"model": {"id": "acme/secret-encoder"}, "accelerator": {"cpu": {"cores": 2}}}
+    c = container(render(spec))
+    assert c["resources"]["limits"]["memory"] == "4Gi"
+    st = ST.compute(defaulted(es(spec)), ST.Observed(), R.Options(), now=NOW)
+    assert "model.geometry" in st["memory"]["detail"]
+    spec["model"]["geometry"] = {"hiddenSize": 384, "layers": 6, "heads": 12, "vocabSize": 30522}
+    assert R.sizing_of(parsed(spec)) is not None
+    assert sizing.parse_quantity(container(render(spec))["resources"]["limits"]["memory"]) < 4 * 2 ** 30
+
+
+def _pod(name, *, ready=True, init=None, server=None, created="2026-01-01T11:00:00Z"):
+    spec = {"initContainers": [{"name": "prepare", "resources": {"limits": {"memory": "11Gi"}}}],
+            "containers": [{"name": "server", "resources": {"limits": {"memory": "2Gi"}}}]}
+    st = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    if init is not None:
+        st["initContainerStatuses"] = [init]
+    if server is not None:
+        st["containerStatuses"] = [server]
+    return {"metadata": {"name": name, "creationTimestamp": created}, "spec": spec, "status": st}
+
+
+def test_oomkilled_shows_as_such_with_the_limit_and_the_estimate():
+    server = {"name": "server", "restartCount": 3,
+              "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off"}},
+              "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}
+    res = defaulted(es(INGEST))
+    obs = ST.Observed(deployment=deployment(replicas=1, ready=0, updated=1), pods=[_pod("p", ready=False, server=server)])
+    st = ST.compute(res, obs, R.Options(), now=NOW)
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "OOMKilled" and conds(st)["Stalled"] == ("True", "OOMKilled")
+    assert "its limit is 2Gi" in ready["message"] and "the operator estimates" in ready["message"]
+    # a crash loop names what the server said on its way out (its termination message)
+    said = {"name": "server", "restartCount": 2, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"reason": "Error", "exitCode": 3,
+                                         "message": "model loading failed: /models/x has no tokenizer.json"}}}
+    obs.pods = [_pod("p", ready=False, server=said)]
+    ready = next(c for c in ST.compute(res, obs, R.Options(), now=NOW)["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "CrashLoop" and "has no tokenizer.json" in ready["message"]
+
+
+def test_status_reports_the_commit_the_newest_ready_pod_serves():
+    sha_old, sha_new = "1" * 40, "2" * 40
+
+    def prepared(sha):
+        report = {"commit": sha, "graph": "model.int8.onnx", "int8_cosine": 0.9967, "seconds": 1.2,
+                  "peak_rss_mb": 310}
+        return {"name": "prepare", "state": {"terminated": {"reason": "Completed", "exitCode": 0,
+                                                            "message": "prepared " + json.dumps(report)}}}
+
+    pods = [_pod("old", init=prepared(sha_old), created="2026-01-01T10:00:00Z"),
+            _pod("new", init=prepared(sha_new), created="2026-01-01T11:00:00Z"),
+            _pod("newest-not-ready", ready=False, init=prepared("3" * 40), created="2026-01-01T11:30:00Z")]
+    st = ST.compute(defaulted(es(INGEST)), ST.Observed(deployment=deployment(), pods=pods), R.Options(), now=NOW)
+    assert st["model"]["commit"] == sha_new and "int8_cosine 0.9967" in st["model"]["prepared"]
+
+
+def test_rollout_override_lets_one_gpu_replica_surge():
+    spec = copy.deepcopy(MIG)
+    spec["rollout"] = {"maxSurge": 1, "maxUnavailable": 0}
+    assert by_kind(render(spec))["Deployment"]["spec"]["strategy"]["rollingUpdate"] == \
+        {"maxSurge": 1, "maxUnavailable": 0}
+    spec["rollout"] = {"maxSurge": "25%"}
+    assert by_kind(render(spec))["Deployment"]["spec"]["strategy"]["rollingUpdate"] == \
+        {"maxSurge": "25%", "maxUnavailable": 1}
+
+
+def test_printer_columns_show_memory_and_commit_wide():
+    cols = {c["name"]: c for c in S.crd()["spec"]["versions"][0]["additionalPrinterColumns"]}
+    assert cols["Memory"]["jsonPath"] == ".status.memory.estimate" and cols["Memory"]["priority"] == 1
+    assert cols["Commit"]["jsonPath"] == ".status.model.commit"
