@@ -20,8 +20,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.rest import ApiException
 
-from . import render as R
-from . import spec as S
+from . import render, spec
 from .litellm import manager as litellm_manager
 
 log = logging.getLogger("embedops.apply")
@@ -34,13 +33,13 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Pod"): "pods",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
-    (S.API_VERSION, S.KIND): S.PLURAL,
-    R.SERVICEMONITOR: "servicemonitors",
-    R.HTTPROUTE: "httproutes",
-    R.SCALEDOBJECT: "scaledobjects",
+    (spec.API_VERSION, spec.KIND): spec.PLURAL,
+    render.SERVICEMONITOR: "servicemonitors",
+    render.HTTPROUTE: "httproutes",
+    render.SCALEDOBJECT: "scaledobjects",
 }
 OWNED_KINDS = [("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"),
-               ("autoscaling/v2", "HorizontalPodAutoscaler"), R.SERVICEMONITOR, R.HTTPROUTE, R.SCALEDOBJECT]
+               ("autoscaling/v2", "HorizontalPodAutoscaler"), render.SERVICEMONITOR, render.HTTPROUTE, render.SCALEDOBJECT]
 AGGREGATED_DISCOVERY = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList,application/json"
 VOLATILE_META = ("managedFields", "resourceVersion", "generation", "creationTimestamp", "uid", "selfLink")
 # HTTP statuses that mean the API server (or etcd behind it) is unavailable, not that a request was wrong
@@ -301,7 +300,7 @@ class Kube:
                 raw.release_conn()
         return watch_stream
 
-    def apply(self, obj: dict, manager: str = R.MANAGER, dry_run: bool = False) -> dict:
+    def apply(self, obj: dict, manager: str = render.MANAGER, dry_run: bool = False) -> dict:
         meta = obj["metadata"]
         query = [("fieldManager", manager), ("force", "true")]
         if dry_run:
@@ -326,7 +325,7 @@ class Kube:
         meta = resource["metadata"]
         self.writes += 1
         ops = [{"op": "add", "path": "/status", "value": status}]
-        return self.request("PATCH", self.path(S.API_VERSION, S.KIND, meta["namespace"], meta["name"]) + "/status",
+        return self.request("PATCH", self.path(spec.API_VERSION, spec.KIND, meta["namespace"], meta["name"]) + "/status",
                             body=ops, content_type="application/json-patch+json")
 
     # ------------------------------------------------------------------ discovery
@@ -355,11 +354,11 @@ class Kube:
                 for r in version.get("resources") or []:
                     kind = (r.get("responseKind") or {}).get("kind")
                     served.add((f"{name}/{version.get('version')}", kind))
-        return frozenset(k for k in R.OPTIONAL_KINDS if k in served)
+        return frozenset(k for k in render.OPTIONAL_KINDS if k in served)
 
     def _discovery_per_group(self) -> frozenset:
         found = set()
-        for api_version, kind in R.OPTIONAL_KINDS:
+        for api_version, kind in render.OPTIONAL_KINDS:
             try:
                 res = self.request("GET", f"/apis/{api_version}")
             except ApiException as exc:
@@ -391,13 +390,13 @@ def _read_verb(path: str) -> str:
     return "GET" if len(rest) >= 2 else "LIST"
 
 
-def needs_write(kube: Kube, desired: dict, manager: str = R.MANAGER) -> bool:
+def needs_write(kube: Kube, desired: dict, manager: str = render.MANAGER) -> bool:
     meta = desired["metadata"]
     live = kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
     if live is None:
         return True
-    want_hash = (meta.get("annotations") or {}).get(R.ANNOTATION_HASH)
-    live_hash = ((live.get("metadata") or {}).get("annotations") or {}).get(R.ANNOTATION_HASH)
+    want_hash = (meta.get("annotations") or {}).get(render.ANNOTATION_HASH)
+    live_hash = ((live.get("metadata") or {}).get("annotations") or {}).get(render.ANNOTATION_HASH)
     if want_hash == live_hash and is_subset(desired, live):
         return False
     preview = kube.apply(desired, manager=manager, dry_run=True)
@@ -410,7 +409,7 @@ def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> list[
     for obj in manifests:
         # The shared LiteLLM ConfigMap gets one field manager per service, so services never remove
         # each other's keys.
-        manager = litellm_manager(service_name) if obj["kind"] == "ConfigMap" else R.MANAGER
+        manager = litellm_manager(service_name) if obj["kind"] == "ConfigMap" else render.MANAGER
         if needs_write(kube, obj, manager=manager):
             try:
                 kube.apply(obj, manager=manager)
@@ -426,10 +425,10 @@ def prune(kube: Kube, resource: dict, desired: list[dict], capabilities: frozens
     meta = resource["metadata"]
     uid, ns, name = meta.get("uid"), meta["namespace"], meta["name"]
     keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
-    selector = f"{R.LABEL_MANAGED_BY}={R.MANAGER},{R.LABEL_SERVICE}={name}"
+    selector = f"{render.LABEL_MANAGED_BY}={render.MANAGER},{render.LABEL_SERVICE}={name}"
     deleted = []
     for api_version, kind in OWNED_KINDS:
-        if (api_version, kind) in R.OPTIONAL_KINDS and (api_version, kind) not in capabilities:
+        if (api_version, kind) in render.OPTIONAL_KINDS and (api_version, kind) not in capabilities:
             continue
         try:
             items = kube.list(api_version, kind, ns, selector)

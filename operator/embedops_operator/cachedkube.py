@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Callable
 
-from . import watchcache as W
+from . import watchcache
 
 KindKey = tuple[str, str]  # (apiVersion, kind)
 
@@ -19,18 +19,18 @@ KindKey = tuple[str, str]  # (apiVersion, kind)
 class CachedKube:
     def __init__(self, kube, on_capabilities: Callable[[frozenset], None] | None = None):
         self.kube = kube
-        self.informers: dict[KindKey, list[W.Informer]] = {}  # one per watched namespace, or one cluster-wide
+        self.informers: dict[KindKey, list[watchcache.Informer]] = {}  # one per watched namespace, or one cluster-wide
         self.on_capabilities = on_capabilities
 
     # ------------------------------------------------------------------ which informer
-    def _synced(self, api_version: str, kind: str, namespace: str | None) -> list[W.Informer] | None:
+    def _synced(self, api_version: str, kind: str, namespace: str | None) -> list[watchcache.Informer] | None:
         """The synced informers covering `namespace` (None: all), or None when the cache cannot answer."""
         informers = self.informers.get((api_version, kind))
         if not informers or not all(i.synced for i in informers):
             return None
         return informers
 
-    def informer_for(self, api_version: str, kind: str, namespace: str | None) -> W.Informer | None:
+    def informer_for(self, api_version: str, kind: str, namespace: str | None) -> watchcache.Informer | None:
         for inf in self.informers.get((api_version, kind), []):
             if inf.namespace in (None, "", namespace):
                 return inf
@@ -43,7 +43,7 @@ class CachedKube:
             return self.kube.get(api_version, kind, namespace, name)
         for inf in informers:
             obj = inf.get(namespace, name)
-            if obj is not None and W.matches(obj, inf.label_filter):
+            if obj is not None and watchcache.matches(obj, inf.label_filter):
                 return copy.deepcopy(obj)  # callers may edit what they get
         return None
 
@@ -51,13 +51,13 @@ class CachedKube:
         informers = self._synced(api_version, kind, namespace)
         if informers is None:
             return self.kube.list(api_version, kind, namespace, selector)
-        want = W.parse_selector(selector)
+        want = watchcache.parse_selector(selector)
         out = []
         for inf in informers:
             value = want.get(inf.index_label) if inf.index_label and namespace else None
             candidates = inf.indexed(namespace, value) if value is not None else inf.items(namespace)
-            out += [copy.deepcopy(o) for o in candidates if W.matches(o, want)]
-        return sorted(out, key=lambda o: W.key_of(o))
+            out += [copy.deepcopy(o) for o in candidates if watchcache.matches(o, want)]
+        return sorted(out, key=lambda o: watchcache.key_of(o))
 
     # ------------------------------------------------------------------ writes (through to the cache)
     def apply(self, obj: dict, manager: str | None = None, dry_run: bool = False) -> dict:
@@ -82,7 +82,7 @@ class CachedKube:
     def _put(self, obj: dict) -> None:
         meta = obj.get("metadata") or {}
         inf = self.informer_for(obj.get("apiVersion", ""), obj.get("kind", ""), meta.get("namespace"))
-        if inf is not None and W.matches(obj, inf.label_filter):
+        if inf is not None and watchcache.matches(obj, inf.label_filter):
             inf.put(obj)
 
     # ------------------------------------------------------------------ discovery and counters

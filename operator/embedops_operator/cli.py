@@ -7,9 +7,7 @@ import logging
 import os
 import sys
 
-from . import render as R
-from . import spec as S
-from . import yamlio
+from . import render, spec, yamlio
 
 
 class _JsonFormatter(logging.Formatter):
@@ -63,20 +61,20 @@ def cmd_render(args: argparse.Namespace) -> int:
         msg = str(e) if isinstance(e, yamlio.ManifestError) else f"{source}: cannot read: {e}"
         print(f"embedops-operator render: {' '.join(msg.split())}", file=sys.stderr)
         return 1
-    capabilities = frozenset(R.OPTIONAL_KINDS)
+    capabilities = frozenset(render.OPTIONAL_KINDS)
     if args.without:
         skip = {k.lower() for k in args.without}
         capabilities = frozenset(c for c in capabilities if c[1].lower() not in skip)
-    options = R.Options.from_env(capabilities)
+    options = render.Options.from_env(capabilities)
     from .validate import validate
 
     out: list[dict] = []
     failed = False
     for doc in docs:
-        if doc.get("kind") != S.KIND:
+        if doc.get("kind") != spec.KIND:
             continue
         if not isinstance(doc.setdefault("metadata", {}), dict):
-            print(f"{S.KIND}: metadata must be a mapping", file=sys.stderr)
+            print(f"{spec.KIND}: metadata must be a mapping", file=sys.stderr)
             failed = True
             continue
         doc["metadata"].setdefault("namespace", args.namespace)
@@ -85,9 +83,9 @@ def cmd_render(args: argparse.Namespace) -> int:
             failed = True
             name = doc["metadata"].get("name", "?")
             for err in errors:
-                print(f"{S.KIND} {name}: {err}", file=sys.stderr)
+                print(f"{spec.KIND} {name}: {err}", file=sys.stderr)
             continue
-        out.extend(R.render(doc, options))
+        out.extend(render.render(doc, options))
     if failed:
         return 1
     sys.stdout.write(yamlio.dump_all(out))
@@ -95,7 +93,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_crd(_: argparse.Namespace) -> int:
-    sys.stdout.write(yamlio.dump(S.crd()))
+    sys.stdout.write(yamlio.dump(spec.crd()))
     return 0
 
 

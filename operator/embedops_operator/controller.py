@@ -19,24 +19,21 @@ import threading
 import time
 from functools import partial
 
-from . import apply as A
-from . import render as R
-from . import spec as S
-from . import watchcache as W
+from . import apply, render, spec, watchcache
 from .cachedkube import CachedKube
 from .reconcile import Reconciler, Settings
 from .workqueue import WorkQueue
 
 log = logging.getLogger("embedops.controller")
 
-MANAGED = f"{R.LABEL_MANAGED_BY}={R.MANAGER}"
+MANAGED = f"{render.LABEL_MANAGED_BY}={render.MANAGER}"
 COALESCE_SECONDS = 1.0
 # every FULL_RESYNC_EVERY-th resync (the first included) queues every service; the others only those whose
 # objects changed since their last successful reconcile (the watch events normally did that already)
 FULL_RESYNC_EVERY = 10
 PROBE_SECONDS = 1.0  # /readyz while the API server is unavailable
 RECOVERY_MIN_INTERVAL = 5.0  # re-queue failed services at most this often (a flapping API server)
-ES = (S.API_VERSION, S.KIND)
+ES = (spec.API_VERSION, spec.KIND)
 # kind -> the label selector of its informer; the optional kinds are added when their CRD is served
 CORE_KINDS: dict[tuple[str, str], str | None] = {
     ES: None,
@@ -45,7 +42,7 @@ CORE_KINDS: dict[tuple[str, str], str | None] = {
     ("v1", "Pod"): MANAGED,
     ("policy/v1", "PodDisruptionBudget"): MANAGED,
     ("autoscaling/v2", "HorizontalPodAutoscaler"): MANAGED,
-    ("v1", "ConfigMap"): f"{R.LABEL_LITELLM}=true",
+    ("v1", "ConfigMap"): f"{render.LABEL_LITELLM}=true",
 }
 
 
@@ -63,11 +60,11 @@ def _keep_all(obj: dict) -> dict:
 TRANSFORMS = {"Pod": _pod_view, "ConfigMap": _keep_all}
 # the label a service's children are looked up by (its prune and Pod selectors name it), so a reconcile reads
 # its own few objects, not all N of a kind; Pods are selected by the Deployment's selector labels
-INDEX_LABELS = {S.KIND: None, "ConfigMap": None, "Pod": R.LABEL_INSTANCE}
+INDEX_LABELS = {spec.KIND: None, "ConfigMap": None, "Pod": render.LABEL_INSTANCE}
 
 
 class Controller:
-    def __init__(self, kube: A.Kube, settings: Settings | None = None, workers: int = 4):
+    def __init__(self, kube: apply.Kube, settings: Settings | None = None, workers: int = 4):
         self.kube = kube
         self.settings = settings or Settings()
         # discovery is refreshed by the resync loop; reconciles in between reuse it
@@ -81,7 +78,7 @@ class Controller:
         self.tombstones: dict[tuple[str, str], dict] = {}  # deleted EmbeddingServices not yet forgotten
         # the API server's availability, from every request (apply.ApiHealth); when it answers again after
         # failures, services that failed meanwhile are queued at once and the watches resume
-        self.health: A.ApiHealth = getattr(kube, "health", None) or A.ApiHealth()
+        self.health: apply.ApiHealth = getattr(kube, "health", None) or apply.ApiHealth()
         self.health.on_recovered.append(self._recovered)
         self._last_recovery = -1e9
         # what each service's last successful full reconcile saw (see _fingerprint); a resync skips services
@@ -100,13 +97,13 @@ class Controller:
                 return
             infs = []
             for ns in self.settings.namespaces or [None]:
-                infs.append(W.Informer(
+                infs.append(watchcache.Informer(
                     f"{kind} in {ns or 'all namespaces'}",
                     self.kube.lister(api_version, kind, ns, selector),
                     self.kube.watcher(api_version, kind, ns, selector),
                     on_event=partial(self._on_event, kind),
-                    transform=TRANSFORMS.get(kind, W.strip_managed_fields),
-                    namespace=ns, selector=selector, index_label=INDEX_LABELS.get(kind, R.LABEL_SERVICE),
+                    transform=TRANSFORMS.get(kind, watchcache.strip_managed_fields),
+                    namespace=ns, selector=selector, index_label=INDEX_LABELS.get(kind, render.LABEL_SERVICE),
                     health=self.health))
             self.cache.informers[(api_version, kind)] = infs
         for inf in infs:
@@ -119,7 +116,7 @@ class Controller:
             inf.stop(join=0)
 
     def _optional_kinds(self, capabilities: frozenset) -> None:
-        for api_version, kind in R.OPTIONAL_KINDS:
+        for api_version, kind in render.OPTIONAL_KINDS:
             if (api_version, kind) in capabilities:
                 self._start_kind(api_version, kind, MANAGED)
             elif (api_version, kind) in self.cache.informers:
@@ -129,7 +126,7 @@ class Controller:
     def _on_event(self, kind: str, etype: str, old: dict | None, new: dict | None) -> None:
         meta = (new or old or {}).get("metadata") or {}
         ns = meta.get("namespace") or ""
-        if kind == S.KIND:
+        if kind == spec.KIND:
             key = (ns, meta.get("name", ""))
             if etype == "DELETED":
                 self.tombstones[key] = old or {}
@@ -139,7 +136,7 @@ class Controller:
             return
         if kind == "ConfigMap":
             return  # read by the sweeps; entries are re-applied by their services' reconciles
-        owner = (meta.get("labels") or {}).get(R.LABEL_SERVICE)
+        owner = (meta.get("labels") or {}).get(render.LABEL_SERVICE)
         if owner:
             self.queue.add((ns, owner), kind != "Pod")
 
@@ -172,7 +169,7 @@ class Controller:
                 # the API server being away is reported once (rate-limited) by self.health, and the key is
                 # retried as soon as it answers; anything else may be a bug: keep the traceback
                 if self.health.failed(exc):
-                    log.debug("reconcile of %s/%s failed: %s", *key, A.unavailable_reason(exc))
+                    log.debug("reconcile of %s/%s failed: %s", *key, apply.unavailable_reason(exc))
                 else:
                     log.exception("reconcile of %s/%s failed", *key)
                 if body is not None:
@@ -219,7 +216,7 @@ class Controller:
             return None
         meta = es.get("metadata") or {}
         parts.append((meta.get("resourceVersion"), meta.get("generation")))
-        kinds = [k for k in A.OWNED_KINDS if k not in R.OPTIONAL_KINDS or k in self.cache.informers] + [("v1", "Pod")]
+        kinds = [k for k in apply.OWNED_KINDS if k not in render.OPTIONAL_KINDS or k in self.cache.informers] + [("v1", "Pod")]
         for api_version, kind in kinds:
             inf = self.cache.informer_for(api_version, kind, ns)
             if inf is None or not inf.synced:
@@ -249,7 +246,7 @@ class Controller:
             self.cache.capabilities()  # starts or stops the optional kinds' informers
         except Exception as exc:  # noqa: BLE001 - the API server may be away; next resync
             if not self.health.failed(exc):
-                log.warning("discovery failed: %s", W._short(exc))
+                log.warning("discovery failed: %s", watchcache.short_error(exc))
         full_pass = self._resyncs % FULL_RESYNC_EVERY == 0
         self._resyncs += 1
         skipped = 0
@@ -270,7 +267,7 @@ class Controller:
             try:
                 self.resync()
             except Exception as exc:  # noqa: BLE001
-                if A.unavailable_reason(exc) is None:
+                if apply.unavailable_reason(exc) is None:
                     log.exception("resync failed")
 
     # ------------------------------------------------------------------ lifecycle
@@ -278,7 +275,7 @@ class Controller:
         try:
             self.cache.capabilities()
         except Exception as exc:  # noqa: BLE001 - retried by the resync loop
-            log.warning("discovery failed: %s", W._short(exc))
+            log.warning("discovery failed: %s", watchcache.short_error(exc))
         for (api_version, kind), selector in CORE_KINDS.items():
             self._start_kind(api_version, kind, selector)
         # Reconciles wait for the caches (a half-filled cache would look like missing children). Kinds that

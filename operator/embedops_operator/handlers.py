@@ -14,7 +14,7 @@ import logging
 
 import kopf
 
-from . import apply as A
+from . import apply
 from .controller import Controller
 from .reconcile import Settings
 
@@ -25,7 +25,7 @@ _state: dict = {}
 @kopf.on.login()
 def login(**_: object) -> kopf.ConnectionInfo:
     """The same credentials as the operator's own client (in-cluster, else $KUBECONFIG read at start)."""
-    cfg = A.Kube.configuration()
+    cfg = apply.Kube.configuration()
     header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
     parts = header.split(" ", 1) if header else []
     scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
@@ -44,7 +44,7 @@ async def startup(settings: kopf.OperatorSettings, **_: object) -> None:
         # urllib3 warns on every retry of every request while the API server is away; apply.ApiHealth logs
         # one line per kind of failure instead
         logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
-    controller = Controller(A.Kube(), Settings.from_env())
+    controller = Controller(apply.Kube(), Settings.from_env())
     _state["controller"] = controller
     await asyncio.to_thread(controller.start)
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import logging
 
-from . import render as R
-from . import spec as S
+from . import render, spec
 
 log = logging.getLogger("embedops.litellm")
-MANAGER_PREFIX = f"{R.MANAGER}-litellm-"
+MANAGER_PREFIX = f"{render.MANAGER}-litellm-"
 
 
 def manager(service_name: str) -> str:
@@ -29,7 +28,7 @@ def entry_owners(config_map: dict) -> set[str]:
         if not who.startswith(MANAGER_PREFIX) or mf.get("operation") != "Apply":
             continue
         name = who[len(MANAGER_PREFIX):]
-        if f"f:{R.litellm_key(name)}" in ((mf.get("fieldsV1") or {}).get("f:data") or {}):
+        if f"f:{render.litellm_key(name)}" in ((mf.get("fieldsV1") or {}).get("f:data") or {}):
             owners.add(name)
     return owners
 
@@ -44,7 +43,7 @@ def wanted_config_map(resource: dict | None) -> str | None:
 def remove_entry(kube, namespace: str, config_map: str, service_name: str) -> None:
     """Apply an empty intent for the service's manager: the server drops exactly the fields it owned."""
     live = kube.get("v1", "ConfigMap", namespace, config_map)
-    if live is None or (R.litellm_key(service_name) not in (live.get("data") or {})
+    if live is None or (render.litellm_key(service_name) not in (live.get("data") or {})
                         and service_name not in entry_owners(live)):
         return
     kube.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": config_map, "namespace": namespace}},
@@ -58,12 +57,12 @@ def sweep(kube, namespace: str | None, only: str | None = None) -> list[str]:
     keeps its entry. `only` limits the sweep to one service (its own reconcile).
     """
     removed = []
-    for cm in kube.list("v1", "ConfigMap", namespace, f"{R.LABEL_LITELLM}=true"):
+    for cm in kube.list("v1", "ConfigMap", namespace, f"{render.LABEL_LITELLM}=true"):
         meta = cm["metadata"]
         for service in sorted(entry_owners(cm)):
             if only is not None and service != only:
                 continue
-            if wanted_config_map(kube.get(S.API_VERSION, S.KIND, meta["namespace"], service)) == meta["name"]:
+            if wanted_config_map(kube.get(spec.API_VERSION, spec.KIND, meta["namespace"], service)) == meta["name"]:
                 continue
             remove_entry(kube, meta["namespace"], meta["name"], service)
             removed.append(f"{meta['namespace']}/{meta['name']}/{service}")

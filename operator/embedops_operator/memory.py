@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from embedops_server import sizing
 
-from . import spec as S
+from .spec import EmbeddingServiceSpec
 
 # config.json fields of well-known encoders (hidden, layers, heads, intermediate, vocab, positions, type vocab)
 _CATALOG: dict[str, dict] = {
@@ -66,7 +66,7 @@ def _catalog_key(model_id: str) -> str:
     return model_id.rstrip("/").rsplit("/", 1)[-1].lower()
 
 
-def geometry(spec: S.EmbeddingServiceSpec) -> tuple[sizing.Geometry, str] | None:
+def geometry(spec: EmbeddingServiceSpec) -> tuple[sizing.Geometry, str] | None:
     m = spec.model
     if m.geometry is not None:
         g = m.geometry
@@ -88,11 +88,11 @@ def geometry(spec: S.EmbeddingServiceSpec) -> tuple[sizing.Geometry, str] | None
                            longest), f"catalog {key}"
 
 
-def _runs_onnx(spec: S.EmbeddingServiceSpec) -> bool:
+def _runs_onnx(spec: EmbeddingServiceSpec) -> bool:
     return spec.accelerator.cpu is not None and (spec.model.dtype in (None, "float32"))
 
 
-def estimate(spec: S.EmbeddingServiceSpec, dtype: str) -> Sizing | None:
+def estimate(spec: EmbeddingServiceSpec, dtype: str) -> Sizing | None:
     """The replica's and the prepare step's peak memory for ``spec`` (``dtype``: what render passes to the
     server), or None for a model of unknown geometry."""
     found = geometry(spec)
@@ -123,7 +123,7 @@ def estimate(spec: S.EmbeddingServiceSpec, dtype: str) -> Sizing | None:
     return Sizing(g, source, replica, prepare, cache)
 
 
-def cpu_memory(spec: S.EmbeddingServiceSpec, est: Sizing | None) -> str:
+def cpu_memory(spec: EmbeddingServiceSpec, est: Sizing | None) -> str:
     """The CPU replica's memory request and limit: the user's, else the estimate with headroom, else 4Gi."""
     cpu = spec.accelerator.cpu
     assert cpu is not None
@@ -134,7 +134,7 @@ def cpu_memory(spec: S.EmbeddingServiceSpec, est: Sizing | None) -> str:
     return sizing.quantity(max(MIN_CPU_MEMORY, sizing.round_up(int(est.replica.total * HEADROOM))))
 
 
-def mig_memory(spec: S.EmbeddingServiceSpec) -> int | None:
+def mig_memory(spec: EmbeddingServiceSpec) -> int | None:
     """Bytes of GPU memory a replica's MIG slices hold (profile 1g.10gb: 10 GB each)."""
     mig = spec.accelerator.mig
     if mig is None:
@@ -143,7 +143,7 @@ def mig_memory(spec: S.EmbeddingServiceSpec) -> int | None:
     return int(found.group(1)) * 10 ** 9 * mig.count if found else None
 
 
-def refusal(spec: S.EmbeddingServiceSpec, est: Sizing | None) -> tuple[str, str] | None:
+def refusal(spec: EmbeddingServiceSpec, est: Sizing | None) -> tuple[str, str] | None:
     """(reason, message) when the spec cannot fit what it asks for: the memory the user set on CPU, or the
     MIG slice. None when it fits or nothing is known about the model."""
     if est is None:

@@ -15,12 +15,8 @@ from dataclasses import dataclass, field
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
-from . import apply as A
-from . import litellm as LL
-from . import memory as M
-from . import render as R
-from . import spec as S
-from . import status as ST
+from . import apply, litellm, memory, render, status
+from .spec import API_VERSION, KIND, parse as parse_resource
 
 log = logging.getLogger("embedops.reconcile")
 # lastTransitionTime has one-second resolution: recheck a little after the stall deadline, not on it.
@@ -50,7 +46,7 @@ def _api_message(exc: ApiException) -> str:
 
 
 class Reconciler:
-    def __init__(self, kube: A.Kube, settings: Settings | None = None):
+    def __init__(self, kube: apply.Kube, settings: Settings | None = None):
         self.kube = kube
         self.settings = settings or Settings()
         self._locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
@@ -62,36 +58,36 @@ class Reconciler:
         with self._guard:
             return self._locks[key]
 
-    def options(self) -> R.Options:
-        return R.Options.from_env(self.kube.capabilities())
+    def options(self) -> render.Options:
+        return render.Options.from_env(self.kube.capabilities())
 
     def reconcile(self, namespace: str, name: str, apply_children: bool = True) -> dict | None:
         """Bring one EmbeddingService's children and status up to date. Returns the written status or None."""
         with self._lock((namespace, name)):
             with self._guard:
                 self.unfinished.discard((namespace, name))
-            resource = self.kube.get(S.API_VERSION, S.KIND, namespace, name)
+            resource = self.kube.get(API_VERSION, KIND, namespace, name)
             if resource is None or resource["metadata"].get("deletionTimestamp"):
                 return None
             options = self.options()
-            observed = ST.Observed()
+            observed = status.Observed()
             manifests: list[dict] | None = None
             try:
-                manifests = R.render(resource, options)
+                manifests = render.render(resource, options)
             except ValidationError as exc:
                 observed.invalid = "; ".join(
                     f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
             if manifests is not None:
                 # a spec that cannot fit its memory or MIG slice is refused before anything is applied: its
                 # pods would only be OOM-killed or never load (the status says what it needs)
-                spec = S.parse(resource).spec
-                observed.refused = M.refusal(spec, R.sizing_of(spec))
+                spec = parse_resource(resource).spec
+                observed.refused = memory.refusal(spec, render.sizing_of(spec))
             if manifests is not None and observed.refused is None:
-                observed.missing = R.missing_capabilities(resource, options)
+                observed.missing = render.missing_capabilities(resource, options)
                 if apply_children:
                     try:
-                        written = A.apply_all(self.kube, manifests, name)
-                        pruned = A.prune(self.kube, resource, manifests, options.capabilities)
+                        written = apply.apply_all(self.kube, manifests, name)
+                        pruned = apply.prune(self.kube, resource, manifests, options.capabilities)
                         # a changed or dropped litellm.configMapName leaves a key in the old ConfigMap; only a
                         # spec change can do that, so pod and status events skip this LIST
                         meta, st = resource["metadata"], resource.get("status") or {}
@@ -102,7 +98,7 @@ class Reconciler:
                     except ApiException as exc:
                         msg = _api_message(exc)
                         failed = getattr(exc, "failed_object", None) or {}
-                        gone = R.FEATURE_OF_KIND.get((failed.get("apiVersion"), failed.get("kind")))
+                        gone = render.FEATURE_OF_KIND.get((failed.get("apiVersion"), failed.get("kind")))
                         if exc.status == 404 and gone:
                             # its CRD was removed since discovery: the same as never installed, not an error
                             observed.missing[gone] = failed["kind"]
@@ -111,7 +107,7 @@ class Reconciler:
                         else:
                             observed.apply_error = msg
                         # an unavailable API server is reported once by apply.ApiHealth, not per service
-                        (log.debug if A.unavailable_reason(exc) else log.warning)(
+                        (log.debug if apply.unavailable_reason(exc) else log.warning)(
                             "%s/%s: apply failed: %s", namespace, name, msg)
                         if exc.status >= 500 or exc.status in (404, 409, 429):
                             self.kube.forget_capabilities()
@@ -120,9 +116,9 @@ class Reconciler:
                         with self._guard:
                             self.unfinished.add((namespace, name))
             observed.deployment = self.kube.get("apps/v1", "Deployment", namespace, name)
-            observed.pods = self.kube.list("v1", "Pod", namespace, R.selector_string(name))
+            observed.pods = self.kube.list("v1", "Pod", namespace, render.selector_string(name))
             written = self.write_status(resource, observed, options)
-            wait = ST.stall_check_in(observed.pods, dt.datetime.now(dt.timezone.utc), self.settings.stall_after)
+            wait = status.stall_check_in(observed.pods, dt.datetime.now(dt.timezone.utc), self.settings.stall_after)
             if wait is not None:
                 self._recheck((namespace, name), wait + RECHECK_MARGIN)
             return written
@@ -131,7 +127,7 @@ class Reconciler:
         """This service's entries in ConfigMaps it no longer names (litellm.configMapName changed or removed).
         Best effort: without list on ConfigMaps (RBAC older than the chart's) it logs instead of failing."""
         try:
-            return LL.sweep(self.kube, namespace, only=name)
+            return litellm.sweep(self.kube, namespace, only=name)
         except ApiException as exc:
             if exc.status != 403:
                 raise
@@ -156,7 +152,7 @@ class Reconciler:
                 try:
                     self.reconcile(*key, apply_children=False)
                 except Exception as exc:  # noqa: BLE001 - the resync loop retries
-                    if A.unavailable_reason(exc) is None:
+                    if apply.unavailable_reason(exc) is None:
                         log.exception("status recheck of %s/%s failed", *key)
 
             timer = threading.Timer(delay, fire)
@@ -164,9 +160,9 @@ class Reconciler:
             self._timers[key] = (due, timer)
             timer.start()
 
-    def write_status(self, resource: dict, observed: ST.Observed, options: R.Options) -> dict | None:
-        new = ST.normalized(ST.compute(resource, observed, options, stall_after=self.settings.stall_after))
-        if new == ST.normalized(resource.get("status")):
+    def write_status(self, resource: dict, observed: status.Observed, options: render.Options) -> dict | None:
+        new = status.normalized(status.compute(resource, observed, options, stall_after=self.settings.stall_after))
+        if new == status.normalized(resource.get("status")):
             return None
         try:
             self.kube.patch_status(resource, new)
@@ -180,12 +176,12 @@ class Reconciler:
         keys = []
         for ns in self.settings.namespaces or [None]:
             try:
-                items = self.kube.list(S.API_VERSION, S.KIND, ns)
+                items = self.kube.list(API_VERSION, KIND, ns)
             except ApiException as exc:
                 if exc.status != 404:
                     raise
                 # the CRD is not installed (yet): nothing to resync; its watch picks services up once it is
-                log.debug("no %s served yet", S.KIND)
+                log.debug("no %s served yet", KIND)
                 continue
             keys += [(item["metadata"]["namespace"], item["metadata"]["name"]) for item in items]
         return keys
@@ -203,9 +199,9 @@ class Reconciler:
         """Entries of services deleted while the operator was down (or whose DELETED event was missed)."""
         for ns in self.settings.namespaces or [None]:
             try:
-                LL.sweep(self.kube, ns)
+                litellm.sweep(self.kube, ns)
             except Exception as exc:  # noqa: BLE001 - retried next resync
-                if A.unavailable_reason(exc) is None:
+                if apply.unavailable_reason(exc) is None:
                     log.exception("LiteLLM sweep in %s failed", ns or "all namespaces")
 
     def forget(self, namespace: str, name: str, body: dict) -> None:
@@ -215,7 +211,7 @@ class Reconciler:
         with self._lock(key):
             config_map = ((body.get("spec") or {}).get("litellm") or {}).get("configMapName")
             if config_map:
-                LL.remove_entry(self.kube, namespace, config_map, name)
+                litellm.remove_entry(self.kube, namespace, config_map, name)
         with self._guard:
             self._locks.pop(key, None)
             pending = self._timers.pop(key, None)

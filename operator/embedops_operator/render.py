@@ -14,8 +14,8 @@ from jinja2 import Environment, StrictUndefined
 
 from embedops_server import sizing
 
-from . import memory as M
-from . import spec as S
+from . import memory
+from .spec import API_VERSION, EmbeddingServiceSpec, GFD_PRODUCT, KIND, ModelSpec, NFD_CPUID, parse as parse_resource
 
 MANAGER = "embedops"
 SERVER_PORT = 8080
@@ -52,7 +52,7 @@ OUTPUT_PATHS = {
 }
 
 
-def route_paths(spec: S.EmbeddingServiceSpec) -> list[tuple[str, str]]:
+def route_paths(spec: EmbeddingServiceSpec) -> list[tuple[str, str]]:
     """The HTTPRoute's (match type, path) pairs: by task, and for an embed service with model.outputs by output
     (plus /embed_hybrid when it has two or more, and /v1/models for OpenAI clients' discovery)."""
     task = detect_task(spec.model)
@@ -87,7 +87,7 @@ class Options:
 
 # ---------------------------------------------------------------------------------------------------- helpers
 
-def detect_task(model: S.ModelSpec) -> str:
+def detect_task(model: ModelSpec) -> str:
     if model.task:
         return model.task
     ident = model.id.lower()
@@ -98,12 +98,12 @@ def detect_task(model: S.ModelSpec) -> str:
     return "embed"
 
 
-def accelerator_kind(spec: S.EmbeddingServiceSpec) -> str:
+def accelerator_kind(spec: EmbeddingServiceSpec) -> str:
     acc = spec.accelerator
     return "mig" if acc.mig else "gpu" if acc.gpu else "cpu"
 
 
-def accelerator_summary(spec: S.EmbeddingServiceSpec) -> str:
+def accelerator_summary(spec: EmbeddingServiceSpec) -> str:
     acc = spec.accelerator
     if acc.mig:
         n = f"{acc.mig.count}x" if acc.mig.count > 1 else ""
@@ -114,11 +114,11 @@ def accelerator_summary(spec: S.EmbeddingServiceSpec) -> str:
     return f"cpu-{acc.cpu.cores}" + (f"({isa})" if isa else "")
 
 
-def served_model_name(spec: S.EmbeddingServiceSpec) -> str:
+def served_model_name(spec: EmbeddingServiceSpec) -> str:
     return spec.model.served_model_name or spec.model.id
 
 
-def dtype(spec: S.EmbeddingServiceSpec) -> str:
+def dtype(spec: EmbeddingServiceSpec) -> str:
     if spec.model.dtype:
         return spec.model.dtype
     return "float32" if spec.accelerator.cpu else "float16"
@@ -142,12 +142,12 @@ def common_labels(name: str, task: str) -> dict[str, str]:
     }
 
 
-def service_url(name: str, namespace: str, spec: S.EmbeddingServiceSpec, options: Options) -> str:
+def service_url(name: str, namespace: str, spec: EmbeddingServiceSpec, options: Options) -> str:
     port = "" if spec.service.port == 80 else f":{spec.service.port}"
     return f"http://{name}.{namespace}.svc.{options.cluster_domain}{port}"
 
 
-def endpoints(name: str, namespace: str, spec: S.EmbeddingServiceSpec, options: Options) -> dict[str, str]:
+def endpoints(name: str, namespace: str, spec: EmbeddingServiceSpec, options: Options) -> dict[str, str]:
     base = service_url(name, namespace, spec, options)
     task = detect_task(spec.model)
     out = {"service": base}
@@ -160,7 +160,7 @@ def endpoints(name: str, namespace: str, spec: S.EmbeddingServiceSpec, options: 
     return out
 
 
-def autoscaler_kind(spec: S.EmbeddingServiceSpec, options: Options) -> str | None:
+def autoscaler_kind(spec: EmbeddingServiceSpec, options: Options) -> str | None:
     if not spec.autoscaling:
         return None
     provider = spec.autoscaling.provider
@@ -179,14 +179,14 @@ ONNX_CACHE = "/var/cache/embedops"  # the prepared ONNX graphs (model.cache, els
 DEFAULT_CACHE_SIZE = "8Gi"  # the ONNX cache emptyDir of a model the operator cannot size
 
 
-def sizing_of(spec: S.EmbeddingServiceSpec) -> M.Sizing | None:
-    return M.estimate(spec, dtype(spec))
+def sizing_of(spec: EmbeddingServiceSpec) -> memory.Sizing | None:
+    return memory.estimate(spec, dtype(spec))
 
 
-def _resources(spec: S.EmbeddingServiceSpec) -> dict:
+def _resources(spec: EmbeddingServiceSpec) -> dict:
     acc = spec.accelerator
     if acc.cpu:
-        mem = M.cpu_memory(spec, sizing_of(spec))
+        mem = memory.cpu_memory(spec, sizing_of(spec))
         res = {"requests": {"cpu": str(acc.cpu.cores), "memory": mem},
                "limits": {"cpu": str(acc.cpu.cores), "memory": mem}}
     elif acc.mig:
@@ -203,16 +203,16 @@ def _resources(spec: S.EmbeddingServiceSpec) -> dict:
     return res
 
 
-def _node_selector(spec: S.EmbeddingServiceSpec) -> dict[str, str]:
+def _node_selector(spec: EmbeddingServiceSpec) -> dict[str, str]:
     acc = spec.accelerator
     sel: dict[str, str] = {}
     if acc.cpu:
         if acc.cpu.instruction_sets:  # x86 instruction sets imply amd64 nodes
             sel["kubernetes.io/arch"] = "amd64"
         for isa in acc.cpu.instruction_sets:
-            sel[f"feature.node.kubernetes.io/cpu-cpuid.{S.NFD_CPUID[isa]}"] = "true"
+            sel[f"feature.node.kubernetes.io/cpu-cpuid.{NFD_CPUID[isa]}"] = "true"
     elif acc.mig and acc.mig.strategy == "single":
-        sel["nvidia.com/gpu.product"] = f"{S.GFD_PRODUCT[acc.mig.product]}-MIG-{acc.mig.profile}"
+        sel["nvidia.com/gpu.product"] = f"{GFD_PRODUCT[acc.mig.product]}-MIG-{acc.mig.profile}"
         sel["nvidia.com/mig.config"] = f"all-{acc.mig.profile}"
     elif acc.gpu and acc.gpu.product:
         sel["nvidia.com/gpu.product"] = acc.gpu.product
@@ -220,7 +220,7 @@ def _node_selector(spec: S.EmbeddingServiceSpec) -> dict[str, str]:
     return dict(sorted(sel.items()))
 
 
-def _args(spec: S.EmbeddingServiceSpec) -> list[str]:
+def _args(spec: EmbeddingServiceSpec) -> list[str]:
     m, b = spec.model, spec.batching
     args = ["--model-id", m.id]
     if m.revision:
@@ -254,7 +254,7 @@ def _args(spec: S.EmbeddingServiceSpec) -> list[str]:
     return args
 
 
-def _env(spec: S.EmbeddingServiceSpec, cache_dir: str | None) -> list[dict]:
+def _env(spec: EmbeddingServiceSpec, cache_dir: str | None) -> list[dict]:
     env: list[dict] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "TMPDIR", "value": "/tmp"},
@@ -272,7 +272,7 @@ def _env(spec: S.EmbeddingServiceSpec, cache_dir: str | None) -> list[dict]:
         est = sizing_of(spec)
         # A large model's forwards take seconds: one tokenizer thread keeps up, and each tokenizer instance
         # holds its vocabulary (~110 MB for XLM-R's 250k pieces)
-        big = est is not None and est.replica.weights > M.PARALLEL_MAX_WEIGHTS
+        big = est is not None and est.replica.weights > memory.PARALLEL_MAX_WEIGHTS
         workers = 1 if big else max(1, min(4, spec.accelerator.cpu.cores // 2))
         env += [{"name": "OMP_NUM_THREADS", "value": threads},
                 {"name": "MKL_NUM_THREADS", "value": threads},
@@ -290,7 +290,7 @@ def _probe(period: int, failures: int, timeout: int = 3) -> dict:
             "failureThreshold": failures, "timeoutSeconds": timeout}
 
 
-def pod_template(name: str, spec: S.EmbeddingServiceSpec, options: Options) -> dict:
+def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options) -> dict:
     task = detect_task(spec.model)
     gpu = not spec.accelerator.cpu
     image = spec.image or (options.cuda_image if gpu else options.cpu_image)
@@ -408,8 +408,8 @@ def pod_template(name: str, spec: S.EmbeddingServiceSpec, options: Options) -> d
     return {"metadata": metadata, "spec": pod_spec}
 
 
-def _prepare_container(spec: S.EmbeddingServiceSpec, image: str, args: list[str], env: list[dict],
-                       mounts: list[dict], est: M.Sizing | None) -> dict:
+def _prepare_container(spec: EmbeddingServiceSpec, image: str, args: list[str], env: list[dict],
+                       mounts: list[dict], est: memory.Sizing | None) -> dict:
     """`embedops-server prepare` with the server's own flags: the ONNX export, int8 quantization and its
     quality check made once into the ONNX cache (a second run finds them and exits in about a second), so the
     server loads only the prepared graph. Its termination message (what it made, the model commit) is read
@@ -419,12 +419,12 @@ def _prepare_container(spec: S.EmbeddingServiceSpec, image: str, args: list[str]
     server = _resources(spec)
     if spec.accelerator.cpu:
         requests = dict(server["requests"])
-        memory = server["limits"]["memory"]
+        limit = server["limits"]["memory"]
         if est is not None and est.prepare:
-            need = sizing.round_up(int(est.prepare * M.HEADROOM))
-            if need > sizing.parse_quantity(memory):
-                memory = sizing.quantity(need)
-        limits = {"cpu": server["limits"]["cpu"], "memory": memory}
+            need = sizing.round_up(int(est.prepare * memory.HEADROOM))
+            if need > sizing.parse_quantity(limit):
+                limit = sizing.quantity(need)
+        limits = {"cpu": server["limits"]["cpu"], "memory": limit}
     else:  # torch on a GPU: nothing to prepare; it resolves the model and reports its commit
         requests, limits = {"cpu": "250m", "memory": "512Mi"}, {"memory": "2Gi"}
     return {
@@ -454,7 +454,7 @@ def _meta(name: str, namespace: str, labels: dict, owner: dict | None) -> dict:
     return meta
 
 
-def deployment(name: str, ns: str, spec: S.EmbeddingServiceSpec, options: Options, owner: dict | None) -> dict:
+def deployment(name: str, ns: str, spec: EmbeddingServiceSpec, options: Options, owner: dict | None) -> dict:
     labels = common_labels(name, detect_task(spec.model))
     if spec.accelerator.cpu:
         rolling: dict[str, Any] = {"maxSurge": 1, "maxUnavailable": 0}
@@ -479,7 +479,7 @@ def deployment(name: str, ns: str, spec: S.EmbeddingServiceSpec, options: Option
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, ns, labels, owner), "spec": dspec}
 
 
-def service(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dict | None) -> dict:
+def service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner),
             "spec": {"type": spec.service.type, "selector": selector_labels(name),
@@ -487,7 +487,7 @@ def service(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dict | None
                                 "protocol": "TCP", "appProtocol": "http"}]}}
 
 
-def service_monitor(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dict | None) -> dict:
+def service_monitor(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
     sm = spec.monitoring.service_monitor
     labels = {**common_labels(name, detect_task(spec.model)), **sm.labels}
     return {"apiVersion": SERVICEMONITOR[0], "kind": SERVICEMONITOR[1],
@@ -497,7 +497,7 @@ def service_monitor(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dic
                      "endpoints": [{"port": "http", "path": "/metrics", "interval": sm.interval}]}}
 
 
-def http_route(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dict | None) -> dict:
+def http_route(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
     gw = spec.gateway
     assert gw is not None
     prefix = gw.path_prefix
@@ -526,7 +526,7 @@ def http_route(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dict | N
             "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner), "spec": route_spec}
 
 
-def scaled_object(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dict | None) -> dict:
+def scaled_object(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
     a = spec.autoscaling
     assert a is not None
     query = f'sum(te_queue_size{{namespace="{ns}",service="{name}"}})'
@@ -541,7 +541,7 @@ def scaled_object(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dict 
                          "threshold": str(a.target_queue_depth), "ignoreNullValues": "true"}}]}}
 
 
-def hpa(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dict | None) -> dict:
+def hpa(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
     a = spec.autoscaling
     assert a is not None
     return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
@@ -554,7 +554,7 @@ def hpa(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dict | None) ->
                      "behavior": {"scaleDown": {"stabilizationWindowSeconds": a.cooldown_seconds}}}}
 
 
-def pdb(name: str, ns: str, spec: S.EmbeddingServiceSpec, owner: dict | None) -> dict | None:
+def pdb(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict | None:
     floor = spec.autoscaling.min_replicas if spec.autoscaling else spec.replicas
     if floor <= 1:
         return None
@@ -585,7 +585,7 @@ def litellm_key(name: str) -> str:
     return f"embedops-{name}.yaml"
 
 
-def litellm_config_map(name: str, ns: str, spec: S.EmbeddingServiceSpec, options: Options) -> dict:
+def litellm_config_map(name: str, ns: str, spec: EmbeddingServiceSpec, options: Options) -> dict:
     """This service's entries in the shared LiteLLM ConfigMap (one data key per service, own field manager).
 
     No owner reference: the ConfigMap is shared and may be the user's; litellm.py removes stale keys.
@@ -606,7 +606,7 @@ def owner_reference(resource: dict) -> dict | None:
     meta = resource.get("metadata") or {}
     if not meta.get("uid"):
         return None
-    return {"apiVersion": S.API_VERSION, "kind": S.KIND, "name": meta["name"], "uid": meta["uid"],
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
             "controller": True, "blockOwnerDeletion": True}
 
 
@@ -617,7 +617,7 @@ def render(resource: dict, options: Options | None = None) -> list[dict]:
     Each manifest carries an `embedops.dev/applied-hash` annotation of its own content.
     """
     options = options or Options()
-    es = S.parse(resource)
+    es = parse_resource(resource)
     name = es.metadata["name"]
     ns = es.metadata.get("namespace") or "default"
     spec = es.spec
@@ -646,7 +646,7 @@ def render(resource: dict, options: Options | None = None) -> list[dict]:
 
 def missing_capabilities(resource: dict, options: Options) -> dict[str, str]:
     """Requested optional features whose CRD is not installed: {feature: kind}."""
-    spec = S.parse(resource).spec
+    spec = parse_resource(resource).spec
     missing: dict[str, str] = {}
     if spec.monitoring.service_monitor.enabled and SERVICEMONITOR not in options.capabilities:
         missing["monitoring"] = SERVICEMONITOR[1]

@@ -10,8 +10,8 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import render as R
-from . import spec as S
+from . import render
+from .spec import EmbeddingServiceSpec, parse as parse_resource
 
 IMAGE_PULL = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
 CONFIG_ERRORS = {"CreateContainerConfigError", "CreateContainerError"}
@@ -115,9 +115,9 @@ def _condition(old: dict[str, dict], ctype: str, status: str, reason: str, messa
             "lastTransitionTime": ltt or _fmt(now), "observedGeneration": generation}
 
 
-def compute(resource: dict, observed: Observed, options: R.Options | None = None,
+def compute(resource: dict, observed: Observed, options: render.Options | None = None,
             now: dt.datetime | None = None, stall_after: float = 60.0) -> dict:
-    options = options or R.Options()
+    options = options or render.Options()
     now = now or dt.datetime.now(dt.timezone.utc)
     meta = resource.get("metadata") or {}
     name, ns = meta.get("name", ""), meta.get("namespace") or "default"
@@ -131,16 +131,16 @@ def compute(resource: dict, observed: Observed, options: R.Options | None = None
         conditions.append(_condition(old, ctype, st, reason, message, generation, now))
 
     try:
-        spec = S.parse(resource).spec
+        spec = parse_resource(resource).spec
     except Exception as exc:  # noqa: BLE001 - any parse error is an invalid spec
         spec = None
         observed.invalid = observed.invalid or f"spec rejected by the operator: {exc}"
 
     if spec is not None:
-        status["task"] = R.detect_task(spec.model)
-        status["accelerator"] = R.accelerator_summary(spec)
-        status["selector"] = R.selector_string(name)
-        eps = R.endpoints(name, ns, spec, options)
+        status["task"] = render.detect_task(spec.model)
+        status["accelerator"] = render.accelerator_summary(spec)
+        status["selector"] = render.selector_string(name)
+        eps = render.endpoints(name, ns, spec, options)
         status["url"] = eps.get("external") or eps["service"]
         status["endpoints"] = eps
 
@@ -224,7 +224,7 @@ def compute(resource: dict, observed: Observed, options: R.Options | None = None
                 cond(ctype, "False", "CRDNotInstalled",
                      f"the {kind} CRD is not installed; {feature} is skipped until it is")
             elif feature == "autoscaling":
-                kind = R.autoscaler_kind(spec, options)
+                kind = render.autoscaler_kind(spec, options)
                 cond(ctype, "True", "KEDA" if kind == "keda" else "HPA",
                      "ScaledObject on te_queue_size" if kind == "keda" else "HorizontalPodAutoscaler")
             else:
@@ -234,17 +234,17 @@ def compute(resource: dict, observed: Observed, options: R.Options | None = None
     return status
 
 
-def _memory_status(spec: S.EmbeddingServiceSpec) -> dict | None:
+def _memory_status(spec: EmbeddingServiceSpec) -> dict | None:
     from embedops_server import sizing
 
-    from . import memory as M
+    from .memory import cpu_memory
 
-    est = R.sizing_of(spec)
+    est = render.sizing_of(spec)
     if est is None:
         return {"detail": f"no estimate: the operator does not know {spec.model.id}'s geometry (set model.geometry)"}
     out = {"estimate": sizing.quantity(est.replica.total), "detail": f"{est.replica.describe()}; {est.source}"}
     if spec.accelerator.cpu:
-        out["limit"] = M.cpu_memory(spec, est)
+        out["limit"] = cpu_memory(spec, est)
     elif spec.accelerator.mig:
         out["limit"] = f"{spec.accelerator.mig.count} x {spec.accelerator.mig.profile}"
     if est.prepare:

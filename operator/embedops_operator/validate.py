@@ -11,12 +11,12 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from . import spec as S
+from . import spec
 
 
 @lru_cache(maxsize=1)
 def _schema() -> dict:
-    return S.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return spec.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 
 def apply_defaults(value: Any, schema: dict) -> Any:

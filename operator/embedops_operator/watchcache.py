@@ -290,9 +290,9 @@ class Informer:
                     need_list = True
                 else:
                     if self.health is not None and self.health.failed(exc):
-                        log.debug("%s: %s; retrying in %.0f s", self.name, _short(exc), backoff)
+                        log.debug("%s: %s; retrying in %.0f s", self.name, short_error(exc), backoff)
                     else:
-                        log.warning("%s: %s; retrying in %.0f s", self.name, _short(exc), backoff)
+                        log.warning("%s: %s; retrying in %.0f s", self.name, short_error(exc), backoff)
                     # resume from the last resourceVersion; a 410 then makes it list again
                     need_list = need_list or self._rv is None
                 self._wake.wait(backoff * (0.5 + random.random()))
@@ -300,7 +300,7 @@ class Informer:
                 backoff = min(backoff * 2, self.max_backoff)
 
 
-def _short(exc: BaseException) -> str:
+def short_error(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
