@@ -255,3 +255,44 @@ def test_any_loading_failure_ends_the_process_with_the_reason(tmp_path):
         env={**os.environ, "PYTHONPATH": str(REPO / "server"), "EMBEDOPS_TERMINATION_LOG": str(term)})
     assert r.returncode == 1, r.stderr[-2000:]
     assert term.read_text().startswith("model loading failed: ")
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_int8_from_external_data_that_is_linked(hub_folder, tmp_path, link):
+    """Model files arrive linked: the Hugging Face cache's snapshot files are symbolic links into its blobs, and
+    a copy made with `cp -al` (or a hard-linked PVC) has several links per file. onnx's own external-data loader
+    refuses both (its guard against link attacks); the quantizer reads the folder's files as they are."""
+    blobs, folder = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir()
+    for src in hub_folder.rglob("*"):
+        if src.is_dir():
+            continue
+        dst = folder / src.relative_to(hub_folder)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        blob = blobs / src.relative_to(hub_folder).as_posix().replace("/", "--")
+        blob.write_bytes(src.read_bytes())
+        if link == "symlink":
+            dst.symlink_to(blob)
+        else:
+            os.link(blob, dst)
+    data = folder / "onnx" / "model.onnx_data"
+    assert data.is_symlink() if link == "symlink" else data.stat().st_nlink == 2
+    r = _prepare(folder, tmp_path / "cache", "--quantize", "int8", "--int8-min-cosine", "0.9")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(next((tmp_path / "cache").glob("*/prepared.json")).read_text())
+    assert summary["dtype"] == "int8" and summary["int8_cosine"] >= 0.9
+
+
+def test_external_data_outside_the_model_folder_is_refused(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    t = helper.make_tensor("w", TensorProto.FLOAT, [1], [1.0])
+    t.ClearField("float_data")
+    t.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", "../secret"), ("offset", "0"), ("length", "4")):
+        t.external_data.add(key=k, value=v)
+    model = helper.make_model(helper.make_graph([], "g", [], [], initializer=[t]))
+    with pytest.raises(ModelError, match="leaves the model folder"):
+        onnx_export.read_external_data(model, tmp_path)
+    assert isinstance(model, onnx.ModelProto)

@@ -273,9 +273,7 @@ def _shape_inference_in(work_dir: Path):
         onnx.shape_inference.infer_shapes_path(str(model_path), str(inferred))
         model = onnx.load(str(inferred), load_external_data=False)
         inferred.unlink()
-        from onnx.external_data_helper import load_external_data_for_model
-
-        load_external_data_for_model(model, str(model_path.parent))
+        read_external_data(model, model_path.parent)
         quant_utils.add_infer_metadata(model)
         return model
 
@@ -284,6 +282,34 @@ def _shape_inference_in(work_dir: Path):
         yield
     finally:
         quantize_module.load_model_with_shape_infer = original
+
+
+def read_external_data(model, base: Path) -> None:
+    """Load every external tensor's bytes into the model, reading the files the graph names relative to
+    ``base``. onnx's own loader refuses a data file that is a symbolic link or has several hard links (its
+    guard against link attacks), but that is how model files arrive: the Hugging Face cache's snapshots are
+    symbolic links into its blobs, and a copy made with `cp -al` is hard-linked. The files are the operator's
+    own model volume, read-only, so they are read as they are."""
+    from onnx import TensorProto
+
+    handles: dict[str, object] = {}
+    try:
+        for t in _external_tensors(model):
+            info = {e.key: e.value for e in t.external_data}
+            location = info["location"]
+            if Path(location).is_absolute() or ".." in Path(location).parts:
+                raise ModelError(f"{base}: external data location {location!r} leaves the model folder")
+            f = handles.get(location)
+            if f is None:
+                f = handles[location] = open(base / location, "rb")
+            f.seek(int(info.get("offset", 0)))
+            length = int(info["length"]) if "length" in info else -1
+            t.raw_data = f.read(length)
+            del t.external_data[:]
+            t.data_location = TensorProto.DEFAULT
+    finally:
+        for f in handles.values():
+            f.close()
 
 
 def gate_record(quantized: Path) -> Path:
