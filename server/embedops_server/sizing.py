@@ -79,8 +79,9 @@ class Estimate:
         return self.runtime + self.tokenizers + self.weights + self.activations
 
     def describe(self) -> str:
+        rest = "runtime and tokenizers" if self.tokenizers else "runtime"
         return (f"{gib(self.total)} (weights {gib(self.weights)}, activations {gib(self.activations)} "
-                f"for {self.detail}, runtime and tokenizers {gib(self.runtime + self.tokenizers)})")
+                f"for {self.detail}, {rest} {gib(self.runtime + self.tokenizers)})")
 
 
 def gib(n: int | float) -> str:
@@ -101,7 +102,7 @@ def forward_bytes(g: Geometry, rows: int, length: int, bytes_per_value: int = 4,
 
 def estimate(g: Geometry, *, dtype: str, device: str = "cpu", max_input_length: int | None = None,
              forward_tokens: int = 1024, parallel_forwards: int = 1, tokenizers: int = 3) -> Estimate:
-    """Peak resident memory of one serving replica.
+    """Peak resident memory of one serving replica: host memory on CPU, GPU memory on CUDA.
 
     ``forward_tokens``: padded tokens per forward (CPU: the ONNX Runtime backend's 1024, or 256 per forward
     with two side by side; CUDA: up to max-batch-tokens, which the warm-up runs in full). ``tokenizers``: Rust
@@ -122,7 +123,9 @@ def estimate(g: Geometry, *, dtype: str, device: str = "cpu", max_input_length: 
     if parallel_forwards > 1:
         detail += f", {parallel_forwards} forwards side by side"
     weights = int(g.parameters * BYTES_PER_PARAMETER[dtype])
-    tok = tokenizers * (TOKENIZER_BASE + TOKENIZER_BYTES_PER_PIECE * g.vocab)
+    # On CUDA the estimate is the GPU's memory (what a MIG slice must hold): the tokenizers and Python live in
+    # the pod's host memory, not on the device
+    tok = 0 if cuda else tokenizers * (TOKENIZER_BASE + TOKENIZER_BYTES_PER_PIECE * g.vocab)
     return Estimate(CUDA_RUNTIME if cuda else CPU_RUNTIME, tok, weights, act, detail)
 
 

@@ -102,6 +102,9 @@ def test_memory_below_the_estimate_is_refused_with_what_it_needs():
 def test_bge_m3_fp16_fits_a_1g_10gb_slice_and_a_huge_budget_does_not():
     est = R.sizing_of(parsed(MIG))
     assert 2.0 * 2 ** 30 < est.replica.total < 3.0 * 2 ** 30  # the seed's ~2.5 GB per replica
+    # GPU memory only: the host's tokenizers (110 MB each for XLM-R's vocabulary) are not in the slice
+    assert est.replica.tokenizers == 0
+    assert est.replica.total == est.replica.runtime + est.replica.weights + est.replica.activations
     assert M.refusal(parsed(MIG), est) is None
     huge = copy.deepcopy(MIG)
     huge["model"]["maxInputLength"] = 8192
