@@ -14,14 +14,15 @@ setup:
 host-packages:
 	./scripts/host-packages.sh
 
-# Control plane and real-node binaries (kube-apiserver, controller-manager, scheduler, kubelet, kube-proxy,
-# kwok, etcd, CoreDNS, helm, kstatus, Flux), built or fetched once per version into ~/.cache/embedops.
-cluster-binaries:
-	./tests/cluster/build.sh
+# The local cluster's components (localcluster/components.py: kube-apiserver, controller-manager, scheduler,
+# kubelet, kube-proxy, kwok, etcd, CoreDNS, helm, kstatus, Flux, upstream CRDs), built once per version into
+# ~/.cache/embedops. `$(PY) -m localcluster.build --list` prints the table.
+cluster-binaries: setup
+	$(PY) -m localcluster.build tests
 
-# What the demo runs, and nothing it does not (no Flux controllers, no kstatus CLI).
-demo-binaries:
-	./tests/cluster/build.sh k8s kwok etcd coredns crds
+# What the demo runs, and nothing it does not (no Flux controllers, no kstatus CLI, no helm).
+demo-binaries: setup
+	$(PY) -m localcluster.build demo
 
 # The images are built (cached) by the tests that run them; see `images` below.
 test: setup host-packages cluster-binaries
@@ -30,7 +31,7 @@ test: setup host-packages cluster-binaries
 # The server (CPU) and operator images, built with podman from a debootstrap base and a host wheelhouse,
 # cached in ~/.cache/embedops/images (docs/images.md); prints the refs and containerd archives as JSON.
 images: setup host-packages
-	$(PY) -m tests.cluster.images build server operator
+	$(PY) -m localcluster.images build server operator
 
 demo: setup host-packages demo-binaries
 	./scripts/demo.sh up

@@ -1,6 +1,6 @@
 """The operator at fleet scale: ``python -m bench --operator --n 200,1000`` (or ``python -m bench.operator_bench``).
 
-On the local control plane of tests/cluster (kube-apiserver, controller-manager, scheduler, kwok nodes; a
+On the local control plane of localcluster (kube-apiserver, controller-manager, scheduler, kwok nodes; a
 fresh one per N, in its own run dir), for N CPU EmbeddingServices:
 
 - **floor**: the objects the operator would render for them (Deployment + Service each, without owner
@@ -119,7 +119,7 @@ class Bench:
     def up(self) -> None:
         from kubernetes import client, config
 
-        from tests.cluster.harness import Cluster
+        from localcluster.controlplane import Cluster
 
         os.environ["EMBEDOPS_REAL_NODE"] = "0"
         self.cluster = Cluster(run_dir=self.run_dir, real_node=False)

@@ -7,12 +7,12 @@
 #         embeds through its Service. Where no real node can run, the reconciled server command runs as a
 #         local process on 127.0.0.1:${EMBEDOPS_DEMO_PORT:-8080} instead (the reason is printed).
 #   down  stops everything `up` started (processes, the node's containers, mounts and network).
-#         Logs: tests/cluster/.run/demo/
+#         Logs: .run/demo/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 case "${1:-up}" in
-  up)   exec "$PY" -m tests.cluster.demo up ;;
-  down) exec "$PY" -m tests.cluster.demo down ;;
+  up)   exec "$PY" -m localcluster.demo up ;;
+  down) exec "$PY" -m localcluster.demo down ;;
   *)    echo "usage: $0 up|down" >&2; exit 2 ;;
 esac

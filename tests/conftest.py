@@ -3,9 +3,9 @@
 Which cluster:
 * ``EMBEDOPS_E2E_KUBECONFIG`` or ``KUBECONFIG`` set explicitly -> that cluster (kind, a real one); it is
   left running afterwards.
-* otherwise the local upstream control plane of ``tests/cluster/harness.py`` (etcd, kube-apiserver,
+* otherwise the local upstream control plane of ``localcluster/controlplane.py`` (etcd, kube-apiserver,
   kube-controller-manager, kube-scheduler, kwok with a MIG GPU node, an AMX CPU node and a plain CPU
-  node), started once per session in ``tests/cluster/.run/pytest`` and stopped at the end. Its binaries
+  node), started once per session in ``.run/pytest`` and stopped at the end. Its binaries
   come from ``make cluster-binaries``; when they are missing the cluster tests are skipped
   (or fail, with ``EMBEDOPS_REQUIRE_CLUSTER=1``).
 
@@ -21,9 +21,9 @@ API (kept stable for tests/integration and tests/e2e)::
     kube.real_node                  # "cpu-real-0" when the local cluster has its real node, else None
     kube.real_node_reason           # why there is no real node (one line), else None
     kube.import_images(images)      # into the real node's containerd: archive paths (docker/OCI tar) or
-                                    # tests/cluster/images.py's built images (a list or its dict)
+                                    # localcluster/images.py's built images (a list or its dict)
 
-The local cluster starts its real node (``tests/cluster/node.py``: kubelet, kube-proxy, containerd, CNI
+The local cluster starts its real node (``localcluster/node.py``: kubelet, kube-proxy, containerd, CNI
 bridge, CoreDNS) by default; ``EMBEDOPS_REAL_NODE=0`` turns it off. When the machine refuses (a package,
 the kernel, privileges, another cluster holding it) the cluster runs without it and ``real_node_reason``
 says why.
@@ -78,19 +78,19 @@ class Kube:
         self.real_node_reason = real_node_reason
 
     def import_images(self, images) -> None:
-        """Import image archives (paths of docker-archive/OCI tars, or what tests/cluster/images.py's
+        """Import image archives (paths of docker-archive/OCI tars, or what localcluster/images.py's
         ``import_into_containerd`` takes) into the real node's containerd (namespace k8s.io)."""
         if not self.real_node:
             raise RuntimeError(f"no real node: {self.real_node_reason}")
-        from tests.cluster import node
+        from localcluster import node
 
         items = list(images.values()) if isinstance(images, dict) else list(images)
         paths = [i for i in items if isinstance(i, (str, Path))]
         built = [i for i in items if not isinstance(i, (str, Path))]
         if paths:
             node.import_into_containerd(str(node.SOCK), paths)
-        if built:  # tests/cluster/images.py's built images (.ref, .archive)
-            from tests.cluster.images import import_into_containerd
+        if built:  # localcluster/images.py's built images (.ref, .archive)
+            from localcluster.images import import_into_containerd
 
             import_into_containerd(str(node.SOCK), built)
 
@@ -131,7 +131,7 @@ class Kube:
     def _crd_docs(names) -> list[dict]:
         import yaml
 
-        from tests.cluster.harness import crd_files
+        from localcluster.controlplane import crd_files
 
         files = crd_files()
         docs = []
@@ -248,15 +248,11 @@ def _explicit_kubeconfig() -> str | None:
 
 @pytest.fixture(scope="session")
 def kube():
-    from tests.cluster import harness
+    from localcluster import controlplane
+    from localcluster.components import provided
 
-    helm = None
-    try:
-        v = harness.versions()
-        h = harness.cache_dir() / "bin" / f"helm-{v['HELM_VERSION']}" / "helm"
-        helm = str(h) if os.access(h, os.X_OK) else None
-    except (OSError, KeyError):
-        pass
+    h = provided("helm")
+    helm = str(h) if os.access(h, os.X_OK) else None
 
     explicit = _explicit_kubeconfig()
     if explicit:
@@ -264,14 +260,14 @@ def kube():
         return
 
     try:
-        harness.Binaries.from_cache()
+        controlplane.Binaries.from_cache()
     except RuntimeError as e:
         if os.environ.get("EMBEDOPS_REQUIRE_CLUSTER") == "1":
             pytest.fail(str(e))
         pytest.skip(str(e))
-    from tests.cluster import node
+    from localcluster import node
 
-    cluster, kubeconfig, reason = harness.start_cluster(harness.default_run_dir() / "pytest")
+    cluster, kubeconfig, reason = controlplane.start_cluster(controlplane.default_run_dir() / "pytest")
     try:
         yield Kube(str(kubeconfig), local=True, helm=helm,
                    real_node=node.NODE_NAME if reason is None else None, real_node_reason=reason)

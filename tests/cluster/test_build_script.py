@@ -1,9 +1,10 @@
-"""build.sh, the component build behind `make demo` and `make test`: its version checks cannot fail at
-random, and a failing step says which one failed.
+"""localcluster/build.py, the component build behind `make demo` and `make test`: its version checks cannot fail
+at random, a failing step says which one failed, and the component table agrees with the recipes it names.
 
 A fresh machine's first `make demo` once stopped with a bare `Error 141`: `coredns -version | head -1` under
-`set -o pipefail`, where `head` exits after one line and CoreDNS, still writing, dies of SIGPIPE. Machines
-with the binary cached never run that line, so these tests run the checks themselves, many times over.
+`set -o pipefail` (the shell build of the time), where `head` exits after one line and CoreDNS, still
+writing, dies of SIGPIPE. Machines with the binary cached never run that check, so these tests run the checks
+themselves, many times over.
 """
 from __future__ import annotations
 
@@ -11,27 +12,23 @@ import os
 import re
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from localcluster import components
+from localcluster.build import VersionMismatch, check_version
+
 REPO = Path(__file__).resolve().parents[2]
-CLUSTER = REPO / "tests" / "cluster"
-HELPERS = CLUSTER / "version_check.sh"
-SHELL_FILES = [CLUSTER / "build.sh", HELPERS, *sorted((REPO / "scripts").glob("*.sh")),
-               REPO / "tests" / "e2e" / "kind.sh", REPO / "Makefile"]
+SHELL_FILES = [*sorted((REPO / "scripts").glob("*.sh")), REPO / "tests" / "e2e" / "kind.sh", REPO / "Makefile"]
 # A reader that may stop before its writer has finished: with pipefail, the writer's SIGPIPE fails the pipeline.
 EARLY_READER = re.compile(r"\|\s*(head\b|grep\s+(-\w*q|--quiet)|sed\s+-n\s*['\"]?\d*q|awk\s+['\"][^'\"]*exit)")
 
 
-def _run_helper(script: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", f"set -Eeuo pipefail; source {HELPERS}; {script}"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
-
-
 def _chatty_binary(tmp_path: Path, first_line: str) -> Path:
-    """A binary that prints its version, then much more (CoreDNS prints a second line; 1 MB makes
-    SIGPIPE certain for any reader that stops after the first)."""
+    """A binary that prints its version, then much more (CoreDNS prints a second line; 1 MB makes SIGPIPE
+    certain for any reader that stops after the first)."""
     exe = tmp_path / "chatty"
     exe.write_text(f"#!/usr/bin/env bash\necho '{first_line}'\nhead -c 1000000 /dev/zero | tr '\\0' x\necho\n")
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
@@ -47,46 +44,41 @@ def test_no_pipeline_has_a_reader_that_stops_early(path):
 
 def test_version_check_passes_200_times_on_a_binary_that_keeps_writing(tmp_path):
     exe = _chatty_binary(tmp_path, "CoreDNS-1.15.0")
-    r = _run_helper(f"for i in $(seq 200); do check_version coredns v1.15.0 {exe} -version; done; echo ok")
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    for _ in range(200):
+        assert check_version("coredns", "v1.15.0", [str(exe), "-version"]) == "CoreDNS-1.15.0"
 
 
-def test_version_check_passes_200_times_on_the_cached_binaries():
-    """The real CoreDNS and helm of this machine's cache, when they are there (the demo and CI build them)."""
-    env = dict(line.split("=", 1) for line in (CLUSTER / "versions.env").read_text().splitlines()
-               if re.match(r"^[A-Z_]+=", line))
-    bin_dir = Path(os.environ.get("EMBEDOPS_CACHE", Path.home() / ".cache" / "embedops")) / "bin"
-    checks = []
-    coredns = bin_dir / f"coredns-{env['COREDNS_VERSION']}" / "coredns"
-    if coredns.exists():
-        checks.append(f"check_version coredns {env['COREDNS_VERSION']} {coredns} -version")
-    helm = bin_dir / f"helm-{env['HELM_VERSION']}" / "helm"
-    if helm.exists():
-        checks.append(f"check_version helm {env['HELM_VERSION']} {helm} version --template '{{{{.Version}}}}'")
-    if not checks:
-        pytest.skip(f"neither CoreDNS nor helm is built in {bin_dir} yet")
-    r = _run_helper(f"for i in $(seq 200); do {'; '.join(checks)}; done; echo ok")
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+def test_version_check_passes_200_times_on_the_built_binaries():
+    """Every built component that states a version check, as the build runs it (the demo and CI build them)."""
+    checked = []
+    for c in components.COMPONENTS:
+        if c.version_check and c.built():
+            argv = [str(c.path()), *c.version_check]
+            for _ in range(200):
+                check_version(c.name, c.version, argv)
+            checked.append(c.name)
+    if not checked:
+        pytest.skip("no component with a version check is built yet (python -m localcluster.build)")
 
 
 def test_version_check_names_the_mismatch(tmp_path):
     exe = _chatty_binary(tmp_path, "CoreDNS-1.14.2")
-    r = _run_helper(f"check_version coredns v1.15.0 {exe} -version")
-    assert r.returncode != 0
-    assert "says 'CoreDNS-1.14.2', versions.env says v1.15.0" in r.stderr
+    with pytest.raises(VersionMismatch, match="says 'CoreDNS-1.14.2', the component table says v1.15.0"):
+        check_version("coredns", "v1.15.0", [str(exe), "-version"])
 
 
 def test_a_failing_step_names_component_command_and_log(tmp_path):
-    """A `go` that fails stands for any broken build step: build.sh stops with one line that names the
-    component, the command and its log, and the log holds the step's output."""
+    """A `go` that fails stands for any broken build step: the build stops with one line that names the
+    component, the command and its log, shows the log's tail, and leaves nothing that looks built."""
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     go = fake_bin / "go"
     go.write_text("#!/bin/sh\necho 'compile: something broke' >&2\nexit 3\n")
     go.chmod(0o755)
     cache = tmp_path / "cache"
-    r = subprocess.run(["bash", str(CLUSTER / "build.sh"), "etcd"], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "EMBEDOPS_CACHE": str(cache), "PATH": f"{fake_bin}:{os.environ['PATH']}"})
+    env = {**os.environ, "EMBEDOPS_CACHE": str(cache), "PATH": f"{fake_bin}:{os.environ['PATH']}"}
+    r = subprocess.run([sys.executable, "-m", "localcluster.build", "etcd"], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=REPO)
     assert r.returncode == 3, r.stderr
     log = cache / "logs" / "build-etcd.log"
     failed = [line for line in r.stderr.splitlines() if "FAILED" in line]
@@ -94,3 +86,34 @@ def test_a_failing_step_names_component_command_and_log(tmp_path):
     assert "FAILED etcd" in failed[0] and "go build" in failed[0] and "exited 3" in failed[0] and str(log) in failed[0]
     assert "compile: something broke" in log.read_text()
     assert "compile: something broke" in r.stderr  # the log's tail is shown too
+    assert "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "localcluster.build", "--list"], capture_output=True, text=True,
+                       timeout=60, env=env, cwd=REPO)
+    assert re.search(r"^etcd\s+v3\.\d+\.\d+\s+no\b", r.stdout, re.M), r.stdout
+
+
+def test_an_unknown_component_is_refused_by_name():
+    r = subprocess.run([sys.executable, "-m", "localcluster.build", "prometheus"], capture_output=True, text=True,
+                       timeout=60, cwd=REPO)
+    assert r.returncode == 2 and "unknown component 'prometheus'" in r.stderr and "etcd" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("c", [c for c in components.COMPONENTS
+                               if any(isinstance(r, components.GoMain) for r in c.recipes)], ids=lambda c: c.name)
+def test_each_recipe_pins_the_components_version(c):
+    """A Go main of ours requires its upstream module at the version the table names: the table is the one
+    place a version is changed (the test fails until the recipe's go.mod follows)."""
+    r = next(r for r in c.recipes if isinstance(r, components.GoMain))
+    gomod = (components.RECIPES / r.folder / "go.mod").read_text()
+    required = re.search(rf"^\s*(?:require\s+)?{re.escape(r.pins)} (v\S+)", gomod, re.M)
+    assert required, f"{r.folder}/go.mod does not require {r.pins}"
+    assert required.group(1) == c.version, (c.name, required.group(1), c.version)
+
+
+def test_the_sets_name_known_components_and_the_demo_builds_less():
+    for name, members in components.SETS.items():
+        assert members and all(m in components.BY_NAME for m in members), name
+    demo, tests = set(components.DEMO), set(components.TESTS)
+    assert demo < tests
+    assert {"source-controller", "kustomize-controller", "kstatus", "helm"}.isdisjoint(demo)
+    assert set(components.crd_files()) == {"servicemonitor", "httproute", "scaledobject"}

@@ -180,7 +180,7 @@ def test_upstream_crds_install_and_validate(kube, namespace, name, kind, api_ver
 
 
 def test_kstatus_cli_reads_conditions():
-    """tests/cluster/kstatus (cli-utils status.Compute, what Flux health checks use)."""
+    """localcluster/recipes/kstatus (cli-utils status.Compute, what Flux health checks use)."""
     from tests.e2e.kstatus import kstatus
 
     base = {"apiVersion": "embedops.dev/v1alpha1", "kind": "EmbeddingService",

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster import images as im
+from localcluster import images as im
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The real node ``cpu-real-0`` (tests/cluster/node.py): real pods on this machine, joined to the local cluster.
+"""The real node ``cpu-real-0`` (localcluster/node.py): real pods on this machine, joined to the local cluster.
 
 Skipped, with the recorded reason, only where the machine refuses (a package, the kernel, privileges);
 ``EMBEDOPS_REQUIRE_REAL_NODE=1`` turns that skip into a failure. The last test takes the session's real
@@ -24,7 +24,7 @@ KUBECTL = "/usr/bin/kubectl"
 
 @pytest.fixture(scope="module")
 def real(kube):
-    from tests.cluster import node
+    from localcluster import node
 
     if not kube.real_node:
         msg = f"no real node: {kube.real_node_reason}"
@@ -51,7 +51,7 @@ def ns(kube, real):
 
 
 def _pod(real, name, command, *, labels=None, memory="64Mi", restart="Never"):
-    from tests.cluster.node import REAL_NODE_LABEL
+    from localcluster.node import REAL_NODE_LABEL
 
     return {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels or {}},
@@ -88,7 +88,7 @@ def _tcp_read(host, port, timeout=5.0) -> bytes:
 
 
 def test_node_ready_with_labels_and_real_capacity(kube, core, real):
-    from tests.cluster.node import REAL_NODE_LABEL, REAL_NODE_TAINT, nfd_labels
+    from localcluster.node import REAL_NODE_LABEL, REAL_NODE_TAINT, nfd_labels
 
     n = core.read_node(real["node"])
     assert any(c.type == "Ready" and c.status == "True" for c in n.status.conditions)
@@ -172,7 +172,7 @@ def test_memory_limit_oomkills(kube, core, ns, real):
 
 
 def test_deleted_pod_leaves_no_container_netns_or_mount(kube, core, ns, real):
-    from tests.cluster import node
+    from localcluster import node
 
     def netns_mounts():
         return {ln.split()[4] for ln in Path("/proc/self/mountinfo").read_text().splitlines()
@@ -204,7 +204,7 @@ def test_deleted_pod_leaves_no_container_netns_or_mount(kube, core, ns, real):
 
 
 def _ctr(*args) -> str:
-    from tests.cluster import node
+    from localcluster import node
 
     return subprocess.run(["ctr", "--address", str(node.SOCK), "-n", "k8s.io", *args], capture_output=True,
                           text=True, check=True).stdout
@@ -302,7 +302,7 @@ def test_kwok_pod_addresses_are_a_blackhole(kube, core, ns, real):
 
 
 def test_second_owner_is_refused(kube, real, tmp_path):
-    from tests.cluster import node
+    from localcluster import node
 
     with pytest.raises(node.RealNodeInUse, match="in use by"):
         node.RealNode(tmp_path / "other").prepare()
@@ -313,9 +313,9 @@ def test_z_down_leaves_nothing_then_back(kube, real):
     before-state, then the node brought back for the tests after this one."""
     from kubernetes import config
 
-    from tests.cluster import harness, node
+    from localcluster import controlplane, node
 
-    cluster = harness.Cluster(run_dir=harness.default_run_dir() / "pytest", real_node=True)
+    cluster = controlplane.Cluster(run_dir=controlplane.default_run_dir() / "pytest", real_node=True)
     rec = node.RealNode._load()
     assert rec and rec["owner"] == str(cluster._node().run_dir)
     assert cluster._node().down() == []

@@ -1,5 +1,5 @@
 """Flux for the e2e suite: source-controller and kustomize-controller (built from their Go modules by
-`tests/cluster/build.sh flux`) run as local processes against the test cluster, and a Git repository
+localcluster's components `source-controller` and `kustomize-controller`) run as local processes against the test cluster, and a Git repository
 served over smart HTTP from loopback (`git http-backend` behind a tiny Python HTTP server)."""
 from __future__ import annotations
 
@@ -10,17 +10,12 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from tests.cluster.harness import cache_dir, free_port, versions
+from localcluster.components import provided
+from localcluster.controlplane import free_port
 
 
 def binaries() -> dict[str, Path] | None:
-    v = versions()
-    b = cache_dir() / "bin"
-    out = {
-        "source-controller": b / f"source-controller-{v['FLUX_SOURCE_CONTROLLER_VERSION']}" / "source-controller",
-        "kustomize-controller": b / f"kustomize-controller-{v['FLUX_KUSTOMIZE_CONTROLLER_VERSION']}"
-        / "kustomize-controller",
-    }
+    out = {name: provided(name) for name in ("source-controller", "kustomize-controller")}
     return out if all(os.access(p, os.X_OK) for p in out.values()) else None
 
 
@@ -126,7 +121,7 @@ class Controllers:
 
     def __enter__(self):
         bins = binaries()
-        assert bins, "Flux controllers not built (tests/cluster/build.sh flux)"
+        assert bins, "Flux controllers not built (python -m localcluster.build source-controller kustomize-controller)"
         storage_port = free_port()
         env = {**os.environ, "KUBECONFIG": self.kubeconfig, "RUNTIME_NAMESPACE": self.ns}
         (self.dir / "storage").mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ PY=${PY:-.venv/bin/python}
 command -v docker >/dev/null || { echo "e2e-kind: needs a Docker engine (this host has none); the local control plane runs the same suite: make test" >&2; exit 2; }
 command -v "$KIND" >/dev/null || { echo "e2e-kind: kind not on PATH (go install sigs.k8s.io/kind@v0.30.0)" >&2; exit 2; }
 
-./tests/cluster/build.sh helm crds   # helm and the upstream CRD files (no control plane build needed)
+"$PY" -m localcluster.build helm crds   # helm and the upstream CRD files (no control plane build needed)
 
 # Outputs are captured, then matched: `cmd | grep -q` / `cmd | head` under pipefail fail at random (SIGPIPE).
 clusters="$("$KIND" get clusters 2>/dev/null || true)"

@@ -1,16 +1,16 @@
 """kstatus for tests: the Go library Flux's health checks use (sigs.k8s.io/cli-utils
-pkg/kstatus/status.Compute), through the tiny CLI tests/cluster/build.sh builds."""
+pkg/kstatus/status.Compute), through the small CLI of localcluster's `kstatus` component."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 
-from tests.cluster.harness import cache_dir, versions
+from localcluster.components import provided
 
 
 def binary() -> str:
-    path = cache_dir() / "bin" / f"kstatus-{versions()['KSTATUS_CLI_UTILS_VERSION']}" / "kstatus"
+    path = provided("kstatus")
     if not os.access(path, os.X_OK):
         raise FileNotFoundError(f"{path} missing; run `make cluster-binaries`")
     return str(path)

@@ -35,7 +35,7 @@ def test_flux_kustomization_applies_examples_and_reports_ready(kube, embsvc, nam
     defaults status.observedGeneration to 0, so a new object is InProgress until the operator reports);
     health=cel: Flux's healthCheckExprs on top (Ready=True current, Stalled=True failed)."""
     if flux.binaries() is None:
-        pytest.skip("Flux controllers not built (tests/cluster/build.sh flux)")
+        pytest.skip("Flux controllers not built (python -m localcluster.build source-controller kustomize-controller)")
     if not flux.have_git_http_backend():
         pytest.skip("git http-backend not available")
     from kubernetes import client

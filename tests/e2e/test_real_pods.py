@@ -1,7 +1,7 @@
 """The serving path through real containers: the locally built images on a real kubelet.
 
 On the local control plane this needs its real node ``cpu-real-0`` (kubelet + containerd + kube-proxy +
-CoreDNS, tests/cluster/node.py) and the images of tests/cluster/images.py; both are started/built by the
+CoreDNS, localcluster/node.py) and the images of localcluster/images.py; both are started/built by the
 ``kube`` fixture and this module. Skipped, with the node's recorded reason, only where the kernel or a
 package refuses (``EMBEDOPS_REQUIRE_REAL_NODE=1`` makes that a failure). On another cluster (kind) set
 ``EMBEDOPS_E2E_REAL_PODS=1`` with the image refs in ``EMBEDOPS_SERVER_IMAGE_CPU``/``EMBEDOPS_OPERATOR_IMAGE``.
@@ -62,7 +62,7 @@ def real(kube) -> RealPods:
         if os.environ.get("EMBEDOPS_REQUIRE_REAL_NODE") == "1":
             pytest.fail(reason)
         pytest.skip(reason)
-    from tests.cluster import images
+    from localcluster import images
 
     t = time.monotonic()
     built = images.build(("server", "operator"))

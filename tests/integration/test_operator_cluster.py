@@ -54,7 +54,7 @@ def kubectl_binary() -> str | None:
 
 
 def kstatus_of(obj: dict) -> str | None:
-    """The cli-utils kstatus verdict (what Flux health checks use), when tests/cluster built the tool."""
+    """The cli-utils kstatus verdict (what Flux health checks use), when localcluster built the tool."""
     cache = Path(os.environ.get("EMBEDOPS_CACHE", Path.home() / ".cache" / "embedops")) / "bin"
     found = [p for p in sorted(cache.glob("kstatus-*/kstatus")) if os.access(p, os.X_OK)]
     if not found:

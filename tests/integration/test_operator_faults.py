@@ -1,4 +1,4 @@
-"""Faults on the real control plane (tests/cluster: etcd, kube-apiserver, controller-manager, scheduler, kwok),
+"""Faults on the real control plane (localcluster: etcd, kube-apiserver, controller-manager, scheduler, kwok),
 with the operator as a real process (`embedops-operator run`, standalone, watching one namespace, resync
 60 s, so that what converges here converges through watch events, not the safety-net resync). Each test
 counts what was lost; every count must be 0.
@@ -39,7 +39,7 @@ def env(kube, tmp_path_factory):
 
     if not kube.local:
         pytest.skip("needs the local control plane (stops and starts its kube-apiserver and etcd)")
-    from tests.cluster.harness import Cluster
+    from localcluster.controlplane import Cluster
 
     e = Env()
     e.kube = kube

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from tests.cluster.harness import free_port
+from localcluster.controlplane import free_port
 from tests.integration.operator_process import (CPU_SPEC, GROUP, PLURAL, VERSION, OperatorProcess,
                                                 chart_rbac_kubeconfig, converged, delete_cluster_scoped,
                                                 es_body, install_crd, wait_for)
@@ -137,7 +137,7 @@ def test_two_replicas_ride_out_an_apiserver_outage_of_20s(env, kube):
     loop. When the API server is back, a replica leads again and the services converge."""
     from pathlib import Path
 
-    from tests.cluster.harness import Cluster
+    from localcluster.controlplane import Cluster
 
     if not kube.local:
         pytest.skip("needs the local control plane (stops and starts its kube-apiserver)")

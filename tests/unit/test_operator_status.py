@@ -198,7 +198,7 @@ def test_kstatus_reads_our_status_like_flux_does():
     import pytest
     binary = kstatus_binary()
     if not binary:
-        pytest.skip("kstatus not built (tests/cluster/build.sh)")
+        pytest.skip("kstatus not built (python -m localcluster.build kstatus)")
     since = (NOW - dt.timedelta(seconds=90)).strftime("%Y-%m-%dT%H:%M:%SZ")
     cases = {
         "ready": (ST.Observed(deployment=deployment(replicas=1, ready=1, updated=1)), 3, "Current"),

@@ -1,7 +1,7 @@
 // Command coredns is CoreDNS (the release pinned in go.mod) with only the plugins the local real node's
 // cluster DNS needs: the kubernetes plugin answers cluster.local (and reverse lookups of the pod and
 // Service ranges) from the API server; there is deliberately no forward plugin, so names outside the
-// cluster are refused and no query ever leaves the machine. Built by tests/cluster/build.sh (`coredns`).
+// cluster are refused and no query ever leaves the machine. Built by localcluster/build.py (component `coredns`).
 package main
 
 import (

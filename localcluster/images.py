@@ -25,7 +25,7 @@ No container registry can be reached here, so everything is made from package re
   docker-archive``; the image ref inside is the tag above), which ``ctr images import`` of containerd 1.6
   accepts.
 
-API (importable by tests/e2e and tests/cluster/node.py; all calls are safe from several processes at once,
+API (importable by tests/e2e and localcluster/node.py; all calls are safe from several processes at once,
 they serialize on a lock file in the cache)::
 
     build(names=("server", "operator"), cuda=False) -> dict[str, Image]
@@ -38,7 +38,7 @@ they serialize on a lock file in the cache)::
         returns the refs it imported.
     base_image() -> str; wheelhouse() -> Path; podman_usable() -> str | None (why not, None when it works)
 
-CLI: ``python -m tests.cluster.images build [server] [operator] [--cuda]`` prints a JSON summary.
+CLI: ``python -m localcluster.images build [server] [operator] [--cuda]`` prints a JSON summary.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 BASE_REF = "localhost/embedops-base:bookworm-py3.11"
 BASE_PACKAGES = ("python3", "python3-venv", "libgomp1")
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
@@ -75,7 +75,7 @@ CONTEXT_DIRS = ("server", "operator")
 CONTEXT_FILES = ("pyproject.toml",)
 # pyproject.toml names README.md as the package's long description; the image only needs the file to exist,
 # and a README edit must not rebuild the images (2 min each), so the context gets this stand-in.
-README_STANDIN = "# embedops\n\nBuilt locally by tests/cluster/images.py; see the repository's README.md.\n"
+README_STANDIN = "# embedops\n\nBuilt locally by localcluster/images.py; see the repository's README.md.\n"
 
 
 @dataclass(frozen=True)
@@ -437,7 +437,7 @@ def import_into_containerd(address: str, images, namespace: str = "k8s.io") -> l
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tests.cluster.images", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m localcluster.images", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build (or find) the images and their containerd archives")
     b.add_argument("names", nargs="*", metavar="NAME", help="server, operator, server-cuda (default: server operator)")

@@ -2,7 +2,7 @@
 
 containerd (Debian's, with runc) runs the pods; the CNI bridge plugin puts them on ``embedops0``
 (10.245.0.0/24, the host is 10.245.0.1); kube-proxy (iptables mode) implements Services (10.96.0.0/16);
-CoreDNS (``tests/cluster/coredns``, kubernetes plugin only, no forwarding) answers ``cluster.local`` on
+CoreDNS (``localcluster/recipes/coredns``, kubernetes plugin only, no forwarding) answers ``cluster.local`` on
 10.245.0.1:53. The kwok nodes of the same cluster keep running no containers.
 
 Traffic never leaves the machine: before anything starts, the pod and Service ranges are routed to the
@@ -261,7 +261,7 @@ BUSYBOX_APPLETS = ["sh", "nc", "nslookup", "sleep", "cat", "echo", "ls", "ip", "
 
 
 def images_dir() -> Path:
-    from tests.cluster.harness import cache_dir
+    from .components import cache_dir
 
     return cache_dir() / "node-images"
 
@@ -338,14 +338,13 @@ class NodeBinaries:
 
     @classmethod
     def from_cache(cls) -> "NodeBinaries":
-        from tests.cluster.harness import cache_dir, k8s_dir, versions
+        from .components import provided
 
-        v = versions()
-        b = cls(kubelet=k8s_dir() / "kubelet", kube_proxy=k8s_dir() / "kube-proxy",
-                coredns=cache_dir() / "bin" / f"coredns-{v['COREDNS_VERSION']}" / "coredns")
+        b = cls(kubelet=provided("k8s", "kubelet"), kube_proxy=provided("k8s", "kube-proxy"),
+                coredns=provided("coredns"))
         missing = [str(p) for p in (b.kubelet, b.kube_proxy, b.coredns) if not os.access(p, os.X_OK)]
         if missing:
-            raise RealNodeUnavailable("real-node binaries missing (tests/cluster/build.sh k8s coredns): "
+            raise RealNodeUnavailable("real-node binaries missing (python -m localcluster.build k8s coredns): "
                                       + ", ".join(missing))
         return b
 
@@ -535,7 +534,7 @@ class RealNode:
         """Start containerd, kubelet, kube-proxy and CoreDNS against the API server at ``server`` and wait
         until the node is Ready and CoreDNS serves. Call after ``prepare()`` and once the control plane is
         up; ``pki`` has ``ca.crt``/``ca.key``; ``api`` is an admin ``kubernetes.client.ApiClient``."""
-        from tests.cluster.harness import free_port, make_client_cert, make_serving_cert
+        from localcluster.controlplane import free_port, make_client_cert, make_serving_cert
 
         if api is not None:
             _apply_rbac(api)
@@ -1030,7 +1029,7 @@ COREFILE = """\
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tests.cluster.node status|release``: who holds the machine's real node; ``release`` stops
+    """``python -m localcluster.node status|release``: who holds the machine's real node; ``release`` stops
     that owner's whole cluster (its harness ``down``: node, then control plane), e.g. one a killed session
     left running that a new session or CI would otherwise find "in use"."""
     import sys
@@ -1048,7 +1047,7 @@ def main(argv: list[str] | None = None) -> int:
         if not rec:
             print("free")
             return 0
-        from tests.cluster.harness import Cluster
+        from localcluster.controlplane import Cluster
 
         Cluster(run_dir=Path(rec["owner"]), real_node=None).down()
         left = RealNode._load()

@@ -1,5 +1,5 @@
 // Multi-call binary: kube-apiserver, kube-controller-manager, kube-scheduler, kubelet and kube-proxy from one link.
-module embedops.local/tests/cluster/k8s
+module embedops.local/localcluster/recipes/k8s
 
 go 1.24.0
 

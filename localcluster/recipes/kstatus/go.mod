@@ -1,4 +1,4 @@
-module embedops.local/tests/cluster/kstatus
+module embedops.local/localcluster/recipes/kstatus
 
 go 1.24.0
 

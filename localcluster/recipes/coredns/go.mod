@@ -1,5 +1,5 @@
-// CoreDNS with a short plugin list (main.go); version pinned in ../versions.env (COREDNS_VERSION).
-module embedops.local/tests/cluster/coredns
+// CoreDNS with a short plugin list (main.go); the version is the coredns entry of localcluster/components.py.
+module embedops.local/localcluster/recipes/coredns
 
 go 1.26.0
 

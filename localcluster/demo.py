@@ -1,11 +1,11 @@
 """The one-command demo (`make demo` -> scripts/demo.sh up): local cluster, operator, a CPU
 EmbeddingService serving all-MiniLM-L6-v2, and the curl that embeds through it.
 
-  up    start the local control plane (tests/cluster/harness.py, run dir tests/cluster/.run/demo) with its
+  up    start the local control plane (localcluster/controlplane.py, run dir .run/demo) with its
         real node cpu-real-0 (kubelet, containerd, kube-proxy, CoreDNS) when this machine allows one,
         install the EmbeddingService CRD and the upstream ServiceMonitor/HTTPRoute/ScaledObject CRDs, run
         `embedops-operator run` in the background and apply examples/cpu-ingestion.yaml (with the model PVC
-        it mounts). With the real node: the CPU server image is built (tests/cluster/images.py, cached), the
+        it mounts). With the real node: the CPU server image is built (localcluster/images.py, cached), the
         service is placed on cpu-real-0, and the printed curl goes to its Service's ClusterIP, i.e. through
         kube-proxy to a real container. Without one (the reason is printed in one line): the reconciled
         Deployment's server container command runs as a local process (kwok pods run no containers) on
@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.cluster.harness import REPO, Cluster, default_run_dir, start_cluster
-from tests.cluster.node import NODE_NAME
+from localcluster.controlplane import REPO, Cluster, default_run_dir, start_cluster
+from localcluster.node import NODE_NAME
 
 RUN = default_run_dir() / "demo"
 STATE = RUN / "demo.json"
@@ -173,7 +173,7 @@ def up() -> int:
 def _on_real_node(kube, doc: dict) -> dict:
     """Build (cached) and import the CPU server image, stage the model folder the PVC serves, and place the
     example on the real node, sized for this machine."""
-    from tests.cluster import images
+    from localcluster import images
     from tests.e2e.real_pods import DEFAULT_MODELS_HOSTPATH, for_real_node, prepare_models
 
     t = time.monotonic()
@@ -210,7 +210,7 @@ def _port(want: int) -> int:
     """The wanted port if it is free on 127.0.0.1, else a free one."""
     import socket
 
-    from tests.cluster.harness import free_port
+    from localcluster.controlplane import free_port
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", want))

@@ -11,18 +11,18 @@ three simulated nodes:
 * ``cpu-plain-0``: no special labels.
 
 With ``real_node=True`` (CLI ``up --real-node``) it also runs ``cpu-real-0``, a real node (kubelet,
-kube-proxy, containerd, CNI bridge, CoreDNS; ``tests/cluster/node.py``): the API server then binds and
+kube-proxy, containerd, CNI bridge, CoreDNS; ``localcluster/node.py``): the API server then binds and
 advertises 10.245.0.1 (the node's bridge) so pods reach it through the ``kubernetes`` Service.
 
 Everything it starts is recorded (PIDs) in ``<run-dir>/state.json`` and stopped by PID.
-Binaries come from ``tests/cluster/build.sh`` (``make cluster-binaries``).
+Binaries come from ``localcluster/build.py`` (``make cluster-binaries``).
 
 CLI::
 
-    python -m tests.cluster.harness up     # start (or reuse a healthy running one); prints KUBECONFIG
-    python -m tests.cluster.harness up --real-node   # ... plus the real node cpu-real-0
-    python -m tests.cluster.harness env    # prints `export KUBECONFIG=...`
-    python -m tests.cluster.harness down   # stop everything it started
+    python -m localcluster.controlplane up     # start (or reuse a healthy running one); prints KUBECONFIG
+    python -m localcluster.controlplane up --real-node   # ... plus the real node cpu-real-0
+    python -m localcluster.controlplane env    # prints `export KUBECONFIG=...`
+    python -m localcluster.controlplane down   # stop everything it started
 
 Fault tests stop and start single components in place (same ports, same etcd data):
 ``Cluster.stop_component("kube-apiserver")`` / ``start_component("kube-apiserver")`` (also ``etcd``).
@@ -44,35 +44,14 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .components import crd_files, provided  # noqa: F401  (crd_files: the tests' import)
+
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
-
-
-def versions() -> dict[str, str]:
-    out: dict[str, str] = {}
-    for line in (HERE / "versions.env").read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
-            k, v = line.split("=", 1)
-            out[k] = v
-    return out
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EMBEDOPS_CACHE", Path.home() / ".cache" / "embedops"))
-
-
-def k8s_dir() -> Path:
-    """The multi-call binary's dir, keyed by the version and a hash of k8s/main.go + k8s/go.mod (the component
-    list): build.sh computes the same key, so adding a component rebuilds instead of reusing an old binary."""
-    import hashlib
-
-    h = hashlib.sha256((HERE / "k8s" / "main.go").read_bytes() + (HERE / "k8s" / "go.mod").read_bytes())
-    return cache_dir() / "bin" / f"k8s-{versions()['KUBERNETES_VERSION']}-{h.hexdigest()[:8]}"
+REPO = HERE.parent
 
 
 def default_run_dir() -> Path:
-    return Path(os.environ.get("EMBEDOPS_CLUSTER_DIR", HERE / ".run"))
+    return Path(os.environ.get("EMBEDOPS_CLUSTER_DIR", REPO / ".run"))
 
 
 @dataclass
@@ -87,40 +66,22 @@ class Binaries:
 
     @classmethod
     def from_cache(cls) -> "Binaries":
-        v = versions()
-        b = cache_dir() / "bin"
-        k8s = k8s_dir()
         bins = cls(
-            apiserver=k8s / "kube-apiserver",
-            controller_manager=k8s / "kube-controller-manager",
-            scheduler=k8s / "kube-scheduler",
-            kwok=b / f"kwok-{v['KWOK_VERSION']}" / "kwok",
-            kwok_stages=b / f"kwok-{v['KWOK_VERSION']}" / "stages",
-            etcd=b / f"etcd-{v['ETCD_VERSION']}" / "etcd",
-            helm=b / f"helm-{v['HELM_VERSION']}" / "helm",
+            apiserver=provided("k8s", "kube-apiserver"),
+            controller_manager=provided("k8s", "kube-controller-manager"),
+            scheduler=provided("k8s", "kube-scheduler"),
+            kwok=provided("kwok"),
+            kwok_stages=provided("kwok", "stages"),
+            etcd=provided("etcd"),
+            helm=provided("helm"),
         )
         missing = [str(p) for p in (bins.apiserver, bins.controller_manager, bins.scheduler,
                                     bins.kwok, bins.etcd) if not os.access(p, os.X_OK)]
         if missing:
             raise RuntimeError(
-                "control plane binaries missing (run `make cluster-binaries` / tests/cluster/build.sh): "
+                "control plane binaries missing (run `make cluster-binaries` / python -m localcluster.build): "
                 + ", ".join(missing))
         return bins
-
-
-def crd_files() -> dict[str, list[Path]]:
-    """Upstream CRD files by short name, as build.sh cached them."""
-    v = versions()
-    c = cache_dir() / "crds"
-    gw = c / f"gateway-api-{v['GATEWAY_API_VERSION']}"
-    return {
-        "servicemonitor": [c / f"prometheus-operator-{v['PROMETHEUS_OPERATOR_VERSION']}"
-                           / "monitoring.coreos.com_servicemonitors.yaml"],
-        "httproute": [gw / "gateway.networking.k8s.io_gatewayclasses.yaml",
-                      gw / "gateway.networking.k8s.io_gateways.yaml",
-                      gw / "gateway.networking.k8s.io_httproutes.yaml"],
-        "scaledobject": [c / f"keda-{v['KEDA_VERSION']}" / "keda.sh_scaledobjects.yaml"],
-    }
 
 
 def free_port() -> int:
@@ -267,7 +228,7 @@ def node_manifests() -> list[dict]:
 
 def _node_step(fn, *args, **kwargs):
     """Run a real-node step; its failures become RealNodeError (one line), so callers can go on without it."""
-    from tests.cluster.node import RealNodeError
+    from localcluster.node import RealNodeError
 
     try:
         return fn(*args, **kwargs)
@@ -281,7 +242,7 @@ def _node_step(fn, *args, **kwargs):
 @dataclass
 class Cluster:
     run_dir: Path = field(default_factory=default_run_dir)
-    # Also run the real node cpu-real-0 (tests/cluster/node.py). None: whatever the run dir has (status/env).
+    # Also run the real node cpu-real-0 (localcluster/node.py). None: whatever the run dir has (status/env).
     real_node: bool | None = False
 
     @property
@@ -322,7 +283,7 @@ class Cluster:
         if self.real_node is not None and bool(st.get("real_node")) != bool(self.real_node):
             return False
         if st.get("real_node"):
-            from tests.cluster import node as realnode
+            from localcluster import node as realnode
 
             rec = realnode.RealNode._load()
             return bool(rec) and rec.get("owner") == str(self._node().run_dir) and all(
@@ -330,7 +291,7 @@ class Cluster:
         return True
 
     def _node(self):
-        from tests.cluster.node import RealNode
+        from localcluster.node import RealNode
 
         return RealNode(self.run_dir)
 
@@ -357,14 +318,34 @@ class Cluster:
         state["procs"].append({"name": name, "pid": p.pid, "argv0": argv[0], "argv": argv})
         self._save(state)
 
+    def _death(self, proc: dict) -> str:
+        """'etcd exited 2: <its last log line>' or 'etcd was killed by SIGKILL (log empty)': a kill from
+        outside (the OOM killer, a stray clean-up) told apart from a crash. The harness started it, so its exit
+        status can still be collected."""
+        how = "exited"
+        try:
+            pid, status = os.waitpid(proc["pid"], os.WNOHANG)
+            if pid:
+                if os.WIFSIGNALED(status):
+                    how = f"was killed by {signal.Signals(os.WTERMSIG(status)).name}"
+                else:
+                    how = f"exited {os.WEXITSTATUS(status)}"
+        except (ChildProcessError, OSError):
+            pass
+        try:
+            lines = (self.run_dir / "logs" / f"{proc['name']}.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            lines = []
+        return f"{proc['name']} {how}" + (f": {lines[-1][:300]}" if lines else " (log empty)")
+
     def _wait(self, what: str, ok, timeout: float, state: dict) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if ok():
                 return
-            dead = [p["name"] for p in state["procs"] if not self._alive(p)]
+            dead = [p for p in state["procs"] if not self._alive(p)]
             if dead:
-                raise RuntimeError(f"{', '.join(dead)} exited while waiting for {what}; "
+                raise RuntimeError(f"{'; '.join(self._death(p) for p in dead)} while waiting for {what}; "
                                    f"see {self.run_dir / 'logs'}")
             time.sleep(0.3)
         raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; see {self.run_dir / 'logs'}")
@@ -384,7 +365,7 @@ class Cluster:
         etcd_port, peer_port, api_port, kcm_port, sched_port, kwok_port = (free_port() for _ in range(6))
         node = None
         if self.real_node:
-            from tests.cluster.node import HOST_IP, NodeBinaries
+            from localcluster.node import HOST_IP, NodeBinaries
             NodeBinaries.from_cache()
             node = self._node()
             # bridge, routes, guards (one keeps the API server's port to lo and the bridge): before it listens
@@ -408,6 +389,9 @@ class Cluster:
                 f"--initial-cluster=embedops=http://127.0.0.1:{peer_port}",
                 "--unsafe-no-fsync", "--log-level=warn", "--quota-backend-bytes=4294967296",
             ])
+            # the API server gives up on a store that does not answer within seconds ("error creating storage
+            # factory: context deadline exceeded"); on a loaded machine etcd's start can take longer than that
+            self._wait("etcd /health", lambda: self._etcd_healthy(f"http://127.0.0.1:{etcd_port}"), timeout, state)
             self._spawn(state, "kube-apiserver", [
                 str(bins.apiserver),
                 f"--etcd-servers=http://127.0.0.1:{etcd_port}",
@@ -525,7 +509,7 @@ class Cluster:
         """Stop every process this harness started (by PID, newest first); no orphans. The real node (when
         this run dir owns it) goes first, with everything it recorded."""
         st = self._state()
-        from tests.cluster import node as realnode
+        from localcluster import node as realnode
 
         rec = realnode.RealNode._load()
         owns_node = bool(rec) and rec.get("owner") == str(self._node().run_dir)
@@ -626,7 +610,7 @@ def start_cluster(run_dir: Path, timeout: float = 180) -> tuple["Cluster", Path,
     """Start (or reuse) the control plane in ``run_dir`` with the real node when this machine allows one,
     else without it: (cluster, kubeconfig, why there is no real node or None). ``EMBEDOPS_REAL_NODE=0`` asks
     for none. Used by the tests' ``kube`` fixture and the demo."""
-    from tests.cluster import node
+    from localcluster import node
 
     if os.environ.get("EMBEDOPS_REAL_NODE", "1") == "0":
         reason: str | None = "EMBEDOPS_REAL_NODE=0"
@@ -654,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     real = "--real-node" in argv[1:]
     c = Cluster(real_node=real if cmd == "up" else None)
     if cmd == "up":
-        from tests.cluster.node import RealNodeError
+        from localcluster.node import RealNodeError
 
         t = time.monotonic()
         try:
@@ -673,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cmd == "env":
         if not c.running():
-            print("not running; start it with: python -m tests.cluster.harness up", file=sys.stderr)
+            print("not running; start it with: python -m localcluster.controlplane up", file=sys.stderr)
             return 1
         print(f"export KUBECONFIG={c.kubeconfig}")
         return 0

