@@ -119,7 +119,9 @@ def estimate(spec: EmbeddingServiceSpec, dtype: str) -> Sizing | None:
         # a folder without onnx/ is exported from its float32 weights; the operator cannot see which, so
         # it sizes for the export too
         prepare = sizing.prepare_estimate(g, quantize=bool(m.quantize), export=True)
-        cache = int(g.parameters * (4 + (2 if m.quantize else 0)) * 1.1) + (64 << 20)
+        # the float32 export, and with int8 the quantizer's temporary float32 copy of it (prepare keeps its
+        # temporaries on this volume, not in the pod's 2Gi /tmp) and the int8 graphs
+        cache = int(g.parameters * (4 + (4 + 2 if m.quantize else 0)) * 1.1) + (64 << 20)
     return Sizing(g, source, replica, prepare, cache)
 
 

@@ -296,3 +296,21 @@ def test_external_data_outside_the_model_folder_is_refused(tmp_path):
     with pytest.raises(ModelError, match="leaves the model folder"):
         onnx_export.read_external_data(model, tmp_path)
     assert isinstance(model, onnx.ModelProto)
+
+
+def test_quantizing_keeps_its_temporary_copies_in_the_cache(hub_folder, tmp_path, monkeypatch):
+    """The pod's /tmp is an emptyDir of 2Gi; ONNX Runtime's quantizer saves whole copies of the model into
+    temporary folders, and bge-m3's float32 copy (2.3 GB) there got the prepare step evicted. They go to the
+    cache entry (the cache volume, sized for them) and are gone afterwards."""
+    import tempfile
+
+    made: list[str] = []
+    real_mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, **kw: made.append(real_mkdtemp(*a, **kw)) or made[-1])
+    out = tmp_path / "entry"
+    out.mkdir()
+    int8 = onnx_export.quantize_int8(hub_folder / "onnx" / "model.onnx", out)
+    assert int8.exists() and made, "the quantizer made no temporary folder: nothing to check"
+    assert all(Path(d).parent == out for d in made), made
+    assert not any(Path(d).exists() for d in made)
+    assert tempfile.tempdir is None or not str(tempfile.tempdir).startswith(str(out))  # restored

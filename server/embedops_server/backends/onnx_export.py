@@ -8,6 +8,7 @@ import inspect
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from ..core.model_info import (CLASSIFIER, RERANKER, SPARSE, ModelError, ModelInfo, no_onnx_without_torch,
@@ -278,10 +279,17 @@ def _shape_inference_in(work_dir: Path):
         return model
 
     quantize_module.load_model_with_shape_infer = load_with_shape_infer
+    # The quantizer also saves whole copies of the model (weights as external data) into temporary folders:
+    # in a pod that is /tmp, an emptyDir of 2Gi, and bge-m3's 2.3 GB float32 copy got the prepare step evicted
+    # ("Usage of EmptyDir volume tmp exceeds the limit"). Its temporaries go to ``work_dir`` too, the cache
+    # volume sized for them.
+    saved_tempdir = tempfile.tempdir
+    tempfile.tempdir = str(work_dir)
     try:
         yield
     finally:
         quantize_module.load_model_with_shape_infer = original
+        tempfile.tempdir = saved_tempdir
 
 
 def read_external_data(model, base: Path) -> None:
