@@ -135,7 +135,8 @@ def onnx_for(model_dir: Path, quantize: str | None, fused: bool = False) -> Path
 
 def ort_folder(model_dir: Path, onnx_file: Path, root: Path | None = None) -> Path:
     """A folder for TEI's ORT backend: ``model_dir``'s config and tokenizer files (symlinks; ``1_Pooling/``
-    etc. too), no weights, and ``onnx/model.onnx`` -> ``onnx_file``. Rebuilt each call (cheap)."""
+    etc. too), no weights, and ``onnx/model.onnx`` -> ``onnx_file`` (with its external data files beside it).
+    Rebuilt each call (cheap)."""
     model_dir, onnx_file = Path(model_dir).resolve(), Path(onnx_file).resolve()
     key = hashlib.sha256(f"{model_dir}\0{onnx_file}".encode()).hexdigest()[:12]
     out = (root or CACHE / "tei-models") / f"{model_dir.name}-{onnx_file.stem}-{key}"
@@ -150,6 +151,14 @@ def ort_folder(model_dir: Path, onnx_file: Path, root: Path | None = None) -> Pa
         (tmp / rel).symlink_to(f)
     (tmp / "onnx").mkdir()
     (tmp / "onnx" / "model.onnx").symlink_to(onnx_file)
+    # a graph with external data (bge-m3's onnx/model.onnx_data, exports over 2 GB): ONNX Runtime looks for
+    # those files beside the path it was given, so they are linked under the names the graph records
+    from embedops_server.backends.onnx_export import graph_files
+
+    for f in graph_files(onnx_file):
+        if f == onnx_file:
+            continue
+        (tmp / "onnx" / f.name).symlink_to(f.resolve())
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

@@ -47,21 +47,48 @@ def _model(tmp_path: Path) -> Path:
     return m
 
 
+def _graph(path: Path, external: bool = False) -> Path:
+    """A one-initializer ONNX graph at ``path``, its weight in ``<name>_data`` beside it when ``external``."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones(4, np.float32), "w")
+    out = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])
+    model = helper.make_model(helper.make_graph([helper.make_node("Identity", ["w"], ["y"])], "g", [], [out],
+                                                initializer=[w]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if external:
+        onnx.save_model(model, str(path), save_as_external_data=True, location=path.name + "_data",
+                        size_threshold=0)
+    else:
+        onnx.save_model(model, str(path))
+    return path
+
+
 def test_ort_folder_links_configs_and_our_graph_but_no_weights(tmp_path):
     m = _model(tmp_path)
-    graph = tmp_path / "cache" / "model.eager.onnx"
-    graph.parent.mkdir()
-    graph.write_bytes(b"ours")
+    graph = _graph(tmp_path / "cache" / "model.eager.onnx")
     out = tei.ort_folder(m, graph, root=tmp_path / "tei-models")
-    assert (out / "onnx" / "model.onnx").read_bytes() == b"ours"
+    assert (out / "onnx" / "model.onnx").read_bytes() == graph.read_bytes()
     assert (out / "1_Pooling" / "config.json").is_symlink() and (out / "config.json").exists()
     assert not (out / "model.safetensors").exists()  # so TEI cannot fall back to candle silently
     assert not (out / "model.onnx").exists()
     assert tei.ort_folder(m, graph, root=tmp_path / "tei-models") == out  # rebuilt in place
-    other = tmp_path / "cache" / "model.eager.int8.onnx"
-    other.write_bytes(b"int8")
+    other = _graph(tmp_path / "cache" / "model.eager.int8.onnx")
     assert tei.ort_folder(m, other, root=tmp_path / "tei-models") != out
     assert len(list((tmp_path / "tei-models").iterdir())) == 2
+
+
+def test_ort_folder_links_a_graphs_external_data_beside_it(tmp_path):
+    """bge-m3's onnx/model.onnx keeps its weights in model.onnx_data: ONNX Runtime looks beside the path TEI
+    gives it, so the data file must be linked there under the name the graph records."""
+    graph = _graph(tmp_path / "m3" / "onnx" / "model.onnx", external=True)
+    out = tei.ort_folder(_model(tmp_path), graph, root=tmp_path / "tei-models")
+    assert (out / "onnx" / "model.onnx_data").resolve() == (graph.parent / "model.onnx_data").resolve()
+    import onnxruntime
+
+    assert onnxruntime.InferenceSession(str(out / "onnx" / "model.onnx")).run(None, {})[0].tolist() == [1.0] * 4
 
 
 def test_absent_build_is_one_line_and_target_refuses(tmp_path):
@@ -95,7 +122,8 @@ def test_argv_has_distinct_ports(tmp_path, monkeypatch):
     assert t.embed_body(["a"]) == {"inputs": "a"}
 
     seen = []
-    monkeypatch.setattr(tei, "onnx_for", lambda d, q, fused=False: seen.append((q, fused)) or (tmp_path / "g.onnx"))
+    graph = _graph(tmp_path / "g.onnx")
+    monkeypatch.setattr(tei, "onnx_for", lambda d, q, fused=False: seen.append((q, fused)) or graph)
     monkeypatch.setattr(tei, "CACHE", tmp_path)
     t = tei.tei_target("tei+int8", m, rerank_model=m, log_dir=tmp_path, home=home)
     folder = Path(t.server.argv[t.server.argv.index("--model-id") + 1])
