@@ -23,18 +23,17 @@ CLI::
     python -m localcluster.controlplane up --real-node   # ... plus the real node cpu-real-0
     python -m localcluster.controlplane env    # prints `export KUBECONFIG=...`
     python -m localcluster.controlplane down   # stop everything it started
+    python -m localcluster.controlplane release-node   # stop the cluster that holds the real node, whoever's
 
 Fault tests stop and start single components in place (same ports, same etcd data):
 ``Cluster.stop_component("kube-apiserver")`` / ``start_component("kube-apiserver")`` (also ``etcd``).
 """
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -44,7 +43,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .components import crd_files, provided  # noqa: F401  (crd_files: the tests' import)
+from .components import provided
+from .pki import free_port, make_pki, write_kubeconfig
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -82,87 +82,6 @@ class Binaries:
                 "control plane binaries missing (run `make cluster-binaries` / python -m localcluster.build): "
                 + ", ".join(missing))
         return bins
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.PIPE)
-
-
-def make_pki(d: Path, extra_ips: tuple[str, ...] = ()) -> None:
-    """CA, API server serving cert, admin client cert (system:masters), kubelet client cert (the API server's,
-    for logs/exec on a real node), service-account key pair. Cached in ``d``, keyed by the SAN list."""
-    d.mkdir(parents=True, exist_ok=True)
-    sans = ("subjectAltName=IP:127.0.0.1,IP:10.96.0.1," + "".join(f"IP:{ip}," for ip in extra_ips)
-            + "DNS:localhost,DNS:kubernetes,"
-            "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local")
-    done = d / ".done"
-    if done.exists() and done.read_text() == sans:
-        return
-    done.unlink(missing_ok=True)
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
-             "-days", "3650", "-subj", "/CN=embedops-local-ca", cwd=d)
-    (d / "serving.ext").write_text(sans + "\nextendedKeyUsage=serverAuth\n")
-    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
-    for name, subj, ext in (("apiserver", "/CN=kube-apiserver", "serving.ext"),
-                            ("admin", "/O=system:masters/CN=embedops-admin", "client.ext"),
-                            ("apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client",
-                             "client.ext")):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", subj, cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-days", "3650", "-extfile", ext, "-out", f"{name}.crt", cwd=d)
-    _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
-    _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
-    done.write_text(sans)
-
-
-def _sign(ca: Path, out: Path, name: str, subj: str, ext: str) -> None:
-    """A key and a certificate signed by the CA in ``ca``, into ``out`` (kept when the subject and extensions
-    are unchanged and the CA is the same)."""
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = out / f"{name}.stamp"
-    key = subj + "|" + ext + "|" + (ca / "ca.crt").read_text()
-    if stamp.exists() and stamp.read_text() == key and (out / f"{name}.crt").exists():
-        return
-    (out / f"{name}.ext").write_text(ext)
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-             "-subj", subj, cwd=out)
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", str(ca / "ca.crt"), "-CAkey", str(ca / "ca.key"),
-             "-CAcreateserial", "-CAserial", str(out / "ca.srl"), "-days", "3650", "-extfile", f"{name}.ext",
-             "-out", f"{name}.crt", cwd=out)
-    stamp.write_text(key)
-
-
-def make_client_cert(ca: Path, out: Path, name: str, subj: str) -> None:
-    _sign(ca, out, name, subj, "extendedKeyUsage=clientAuth\n")
-
-
-def make_serving_cert(ca: Path, out: Path, name: str, subj: str, sans: list[str]) -> None:
-    _sign(ca, out, name, subj, "subjectAltName=" + ",".join(sans) + "\nextendedKeyUsage=serverAuth\n")
-
-
-def write_kubeconfig(path: Path, server: str, pki: Path) -> None:
-    b64 = lambda p: base64.b64encode((pki / p).read_bytes()).decode()  # noqa: E731
-    cfg = {
-        "apiVersion": "v1", "kind": "Config", "current-context": "embedops-local",
-        "clusters": [{"name": "embedops-local",
-                      "cluster": {"server": server, "certificate-authority-data": b64("ca.crt")}}],
-        "users": [{"name": "embedops-admin",
-                   "user": {"client-certificate-data": b64("admin.crt"), "client-key-data": b64("admin.key")}}],
-        "contexts": [{"name": "embedops-local",
-                      "context": {"cluster": "embedops-local", "user": "embedops-admin"}}],
-    }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
-    os.chmod(tmp, 0o600)
-    tmp.replace(path)
 
 
 GPU_LABELS = {
@@ -632,6 +551,23 @@ def start_cluster(run_dir: Path, timeout: float = 180) -> tuple["Cluster", Path,
     return cluster, kubeconfig, reason
 
 
+def release_node() -> int:
+    """Stop whichever cluster holds the machine's real node (its ``down``: node, then control plane), e.g. one
+    a killed session left running that a new session or CI would otherwise find "in use"; then remove what the
+    node's record still lists."""
+    from localcluster import node
+
+    rec = node.RealNode._load()
+    if rec:
+        Cluster(run_dir=Path(rec["owner"]), real_node=None).down()
+    problems = node.remove_leftovers()
+    if problems:
+        print("could not remove: " + "; ".join(problems), file=sys.stderr)
+        return 1
+    print(node.status())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cmd = argv[0] if argv else "up"
@@ -667,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "status":
         print("running" if c.running() else "stopped")
         return 0
+    if cmd == "release-node":
+        return release_node()
     print(__doc__, file=sys.stderr)
     return 2
 

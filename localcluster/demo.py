@@ -210,7 +210,7 @@ def _port(want: int) -> int:
     """The wanted port if it is free on 127.0.0.1, else a free one."""
     import socket
 
-    from localcluster.controlplane import free_port
+    from localcluster.pki import free_port
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", want))

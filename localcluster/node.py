@@ -28,7 +28,6 @@ import re
 import shutil
 import signal
 import subprocess
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
@@ -534,7 +533,7 @@ class RealNode:
         """Start containerd, kubelet, kube-proxy and CoreDNS against the API server at ``server`` and wait
         until the node is Ready and CoreDNS serves. Call after ``prepare()`` and once the control plane is
         up; ``pki`` has ``ca.crt``/``ca.key``; ``api`` is an admin ``kubernetes.client.ApiClient``."""
-        from localcluster.controlplane import free_port, make_client_cert, make_serving_cert
+        from .pki import free_port, make_client_cert, make_serving_cert
 
         if api is not None:
             _apply_rbac(api)
@@ -1028,35 +1027,32 @@ COREFILE = """\
 """
 
 
+def status() -> str:
+    """Who holds the machine's real node: 'free' or 'held by <run dir> (alive|stale)'."""
+    rec = RealNode._load()
+    if not rec:
+        return "free"
+    return f"held by {rec['owner']} ({'alive' if RealNode._owner_alive(rec) else 'stale'})"
+
+
+def remove_leftovers() -> list[str]:
+    """Remove what the node's record lists (processes, mounts, network, cgroups), whoever owned it; returns
+    what could not be removed. For a record no live cluster owns any more."""
+    left = RealNode._load()
+    if not left:
+        return []
+    with _locked():
+        return _teardown(left)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m localcluster.node status|release``: who holds the machine's real node; ``release`` stops
-    that owner's whole cluster (its harness ``down``: node, then control plane), e.g. one a killed session
-    left running that a new session or CI would otherwise find "in use"."""
+    """``python -m localcluster.node status``: who holds the machine's real node. Releasing it (its owner's
+    whole cluster) is ``python -m localcluster.controlplane release-node``."""
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
-    cmd = argv[0] if argv else "status"
-    rec = RealNode._load()
-    if cmd == "status":
-        if not rec:
-            print("free")
-        else:
-            print(f"held by {rec['owner']} ({'alive' if RealNode._owner_alive(rec) else 'stale'})")
-        return 0
-    if cmd == "release":
-        if not rec:
-            print("free")
-            return 0
-        from localcluster.controlplane import Cluster
-
-        Cluster(run_dir=Path(rec["owner"]), real_node=None).down()
-        left = RealNode._load()
-        if left:  # the owner's run dir did not own it any more (or is gone): remove what the record lists
-            with _locked():
-                problems = _teardown(left)
-            if problems:
-                print("could not remove: " + "; ".join(problems), file=sys.stderr)
-                return 1
+    if (argv[0] if argv else "status") == "status":
+        print(status())
         return 0
     print(main.__doc__, file=sys.stderr)
     return 2

@@ -131,7 +131,7 @@ class Kube:
     def _crd_docs(names) -> list[dict]:
         import yaml
 
-        from localcluster.controlplane import crd_files
+        from localcluster.components import crd_files
 
         files = crd_files()
         docs = []

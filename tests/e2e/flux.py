@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from localcluster.components import provided
-from localcluster.controlplane import free_port
+from localcluster.pki import free_port
 
 
 def binaries() -> dict[str, Path] | None:

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from localcluster.controlplane import free_port
+from localcluster.pki import free_port
 from tests.integration.operator_process import (CPU_SPEC, GROUP, PLURAL, VERSION, OperatorProcess,
                                                 chart_rbac_kubeconfig, converged, delete_cluster_scoped,
                                                 es_body, install_crd, wait_for)
