@@ -242,15 +242,22 @@ class Cluster:
         outside (the OOM killer, a stray clean-up) told apart from a crash. The harness started it, so its exit
         status can still be collected."""
         how = "exited"
-        try:
-            pid, status = os.waitpid(proc["pid"], os.WNOHANG)
+        # a dying process loses its command line a moment before it can be reaped: wait for that moment
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                pid, status = os.waitpid(proc["pid"], os.WNOHANG)
+            except (ChildProcessError, OSError):  # not ours, or reaped already: the status is gone
+                break
             if pid:
                 if os.WIFSIGNALED(status):
                     how = f"was killed by {signal.Signals(os.WTERMSIG(status)).name}"
                 else:
                     how = f"exited {os.WEXITSTATUS(status)}"
-        except (ChildProcessError, OSError):
-            pass
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
         try:
             lines = (self.run_dir / "logs" / f"{proc['name']}.log").read_text(errors="replace").strip().splitlines()
         except OSError:
