@@ -49,7 +49,8 @@ def _env() -> dict:
 def _server_argv(model: Path, quantize: str | None, cache: Path, args) -> list[str]:
     argv = ["--model-id", str(model), "--backend", "onnxruntime", "--num-threads", str(args.threads),
             "--onnx-cache", str(cache), "--max-batch-tokens", str(args.max_batch_tokens),
-            "--max-input-length", str(args.max_input_length), "--tokenization-workers", str(args.tokenizers)]
+            "--max-input-length", str(args.max_input_length), "--tokenization-workers", str(args.tokenizers),
+            "--max-client-batch-size", str(max(32, args.rerank_docs))]
     if quantize:
         argv += ["--quantize", quantize]
     return argv
@@ -287,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import real_size
 
     rows = []
+    out = REPO / "bench" / "results" / f"sizing-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     for case in [c.strip() for c in args.cases.split(",") if c.strip()]:
         builder, quantize, task = CASES[case]
         model = getattr(real_size, builder)()
@@ -296,7 +298,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{case}: prepare {model.name} (quantize {quantize}) into {cache}")
         prep = run_prepare(model, quantize, cache, args)
         log(f"{case}: prepared in {prep['seconds']:.0f} s, peak {prep['peak_rss_mb']:.0f} MB; serving")
-        serve = run_serve(model, quantize, task, cache, args)
+        try:
+            serve = run_serve(model, quantize, task, cache, args)
+        except Exception as e:  # noqa: BLE001 - one case failing keeps the others' figures
+            log(f"{case}: serving failed: {type(e).__name__}: {e}")
+            continue
         est = estimates(model, quantize, args, serve.get("info"))
         row = {"case": case, "prepare": prep, "serve": serve, "estimate": est}
         graph = served_graph(model, quantize, cache)
@@ -308,12 +314,12 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{case}: raw ONNX Runtime forward on {graph.name}")
             row["raw"] = run_raw(model, graph, task, args)
         rows.append(row)
+        out.parent.mkdir(parents=True, exist_ok=True)  # after every case: a later one failing keeps these
+        out.write_text(json.dumps(rows, indent=1, default=lambda o: o.__dict__ if hasattr(o, "__dict__") else str(o)))
+        log(f"{case}: done; results so far in {out}")
         if not args.keep_cache:
             shutil.rmtree(cache, ignore_errors=True)
     print(render(rows, args))
-    out = REPO / "bench" / "results" / f"sizing-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1, default=lambda o: o.__dict__ if hasattr(o, "__dict__") else str(o)))
     log(f"results: {out}")
     return 0
 
