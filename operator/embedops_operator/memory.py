@@ -88,7 +88,8 @@ def geometry(spec: EmbeddingServiceSpec) -> tuple[sizing.Geometry, str] | None:
                            longest), f"catalog {key}"
 
 
-def _runs_onnx(spec: EmbeddingServiceSpec) -> bool:
+def runs_onnx(spec: EmbeddingServiceSpec) -> bool:
+    """The replica runs ONNX Runtime (CPU, float32 weights or int8): the backend with a graph to prepare."""
     return spec.accelerator.cpu is not None and (spec.model.dtype in (None, "float32"))
 
 
@@ -105,7 +106,7 @@ def estimate(spec: EmbeddingServiceSpec, dtype: str) -> Sizing | None:
     if cpu is not None:
         weights_dtype = "int8" if m.quantize else dtype
         weights = g.parameters * sizing.BYTES_PER_PARAMETER[weights_dtype]
-        parallel = 2 if cpu.cores > 1 and weights <= PARALLEL_MAX_WEIGHTS and _runs_onnx(spec) else 1
+        parallel = 2 if cpu.cores > 1 and weights <= PARALLEL_MAX_WEIGHTS and runs_onnx(spec) else 1
         forward = 256 if parallel > 1 else 1024
         tokenizers = max(1, min(4, cpu.cores // 2)) + 2  # workers + the event loop's + the synchronous one
         replica = sizing.estimate(g, dtype=weights_dtype, device="cpu", max_input_length=longest,
@@ -115,7 +116,7 @@ def estimate(spec: EmbeddingServiceSpec, dtype: str) -> Sizing | None:
         replica = sizing.estimate(g, dtype=dtype, device="cuda", max_input_length=longest,
                                   forward_tokens=b.max_batch_tokens, tokenizers=4)
     prepare = cache = 0
-    if _runs_onnx(spec):
+    if runs_onnx(spec):
         # a folder without onnx/ is exported from its float32 weights; the operator cannot see which, so
         # it sizes for the export too
         prepare = sizing.prepare_estimate(g, quantize=bool(m.quantize), export=True)

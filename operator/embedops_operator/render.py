@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -319,13 +320,10 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options) -> dic
             if src.download.hf_token_secret_ref:
                 ref = src.download.hf_token_secret_ref
                 dl_env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
-            cmd = ["hf", "download", spec.model.id]
-            if spec.model.revision:
-                cmd += ["--revision", spec.model.revision]
             init.append({
                 "name": "download-model",
                 "image": src.download.image or image,
-                "command": cmd,
+                "command": ["sh", "-c", download_script(spec)],
                 "env": dl_env,
                 "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "model-cache", "mountPath": "/models"}],
                 "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
@@ -406,6 +404,33 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options) -> dic
     if spec.pod_annotations:
         metadata["annotations"] = dict(sorted(spec.pod_annotations.items()))
     return {"metadata": metadata, "spec": pod_spec}
+
+
+# What every server reads besides the weights: configs, tokenizer files, sentence-transformers modules, and
+# bge-m3's heads (sparse_linear.pt, colbert_linear.pt: a few MB)
+MODEL_FILES = ("*.json", "*.txt", "*.model", "1_Pooling/*", "sparse_linear.pt", "colbert_linear.pt")
+ONNX_FILES = ("onnx/model.onnx", "onnx/model.onnx_data", "model.onnx", "model.onnx_data")
+
+
+def download_script(spec: EmbeddingServiceSpec, hub: str = "/models/hub") -> str:
+    """The download init container's `sh -c`: `hf download` of only the files the server will load, not the
+    whole repository (BAAI/bge-m3 ships its weights twice, as torch weights and as onnx/model.onnx + data: 4.5
+    GB where 2.3 GB serve). ONNX Runtime (CPU, float32 or int8): the ONNX graph, else, for a repository
+    without one, the safetensors the prepare step exports. torch (GPU, float16): the safetensors, else the
+    .bin weights. `model.revision` pins the commit. What arrived is read from the hub cache's snapshot folder
+    (HF_HUB_CACHE=/models/hub), not from hf's output, whose format changes between versions."""
+    m = spec.model
+    base = "hf download " + shlex.quote(m.id) + (f" --revision {shlex.quote(m.revision)}" if m.revision else "")
+    include = lambda patterns: " ".join("--include " + shlex.quote(p) for p in patterns)  # noqa: E731
+    snapshots = f"{hub}/models--{m.id.replace('/', '--')}/snapshots/*"
+    if memory.runs_onnx(spec):
+        first, fallback, have = ONNX_FILES, ("*.safetensors",), ("onnx/model.onnx", "model.onnx")
+    else:
+        first, fallback, have = ("*.safetensors",), ("*.bin",), ("*.safetensors",)
+    found = " ".join(f"{snapshots}/{h}" for h in have)
+    return (f"set -eu; {base} {include(MODEL_FILES + first)}; have=0; "
+            f"for f in {found}; do if [ -e \"$f\" ]; then have=1; fi; done; "
+            f"if [ $have = 0 ]; then {base} {include(fallback)}; fi")
 
 
 def _prepare_container(spec: EmbeddingServiceSpec, image: str, args: list[str], env: list[dict],

@@ -165,7 +165,7 @@ def test_model_download_init_container():
     out = render(spec)
     pod = pod_spec(out)
     init = pod["initContainers"][0]
-    assert init["command"] == ["hf", "download", "BAAI/bge-m3", "--revision", "r1"]
+    assert init["command"][:2] == ["sh", "-c"] and "hf download BAAI/bge-m3 --revision r1 " in init["command"][2]
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in init["env"]
     assert init["securityContext"]["readOnlyRootFilesystem"] is True
     assert {"name": "model-cache", "emptyDir": {"sizeLimit": "30Gi"}} in pod["volumes"]
@@ -426,3 +426,69 @@ def test_rendered_container_parses_with_the_server_cli(name):
     assert settings.port == 8080 and settings.hostname == "0.0.0.0" and settings.json_output is True
     assert settings.model_id == arg(c, "--model-id")
     assert settings.max_batch_tokens == int(arg(c, "--max-batch-tokens"))
+
+
+FAKE_HF = """#!/usr/bin/env python3
+# `hf download REPO [--revision R] --include P ...`: copies the matching files of $FAKE_REPO into the hub cache
+import fnmatch, os, shutil, sys
+args = sys.argv[2:]
+repo, pats, i = args[0], [], 1
+while i < len(args):
+    if args[i] == "--include":
+        pats.append(args[i + 1])
+    i += 2
+open(os.environ["FAKE_LOG"], "a").write(" ".join(pats) + "\\n")
+src = os.environ["FAKE_REPO"]
+snap = os.path.join(os.environ["HF_HUB_CACHE"], "models--" + repo.replace("/", "--"), "snapshots", "abc123")
+for root, _, files in os.walk(src):
+    for f in files:
+        rel = os.path.relpath(os.path.join(root, f), src)
+        if any(fnmatch.fnmatch(rel, p) for p in pats):
+            os.makedirs(os.path.dirname(os.path.join(snap, rel)), exist_ok=True)
+            shutil.copy(os.path.join(src, rel), os.path.join(snap, rel))
+print("path:", snap)
+"""
+
+
+@pytest.mark.parametrize("accel, repo_files, want, calls", [
+    # CPU (ONNX Runtime): the graph and its data, never the torch weights twice
+    ({"cpu": {"cores": 2}}, ["onnx/model.onnx", "onnx/model.onnx_data", "model.safetensors", "pytorch_model.bin"],
+     {"onnx/model.onnx", "onnx/model.onnx_data"}, 1),
+    # CPU, a repository without ONNX: the safetensors the prepare step exports from
+    ({"cpu": {"cores": 2}}, ["model.safetensors", "pytorch_model.bin"], {"model.safetensors"}, 2),
+    # GPU (torch): safetensors, no ONNX
+    ({"mig": {"profile": "1g.10gb"}}, ["onnx/model.onnx", "onnx/model.onnx_data", "model.safetensors"],
+     {"model.safetensors"}, 1),
+    # GPU, only .bin weights (BAAI/bge-m3 has pytorch_model.bin)
+    ({"mig": {"profile": "1g.10gb"}}, ["onnx/model.onnx", "pytorch_model.bin"], {"pytorch_model.bin"}, 2),
+], ids=["cpu-onnx", "cpu-export", "gpu-safetensors", "gpu-bin"])
+def test_download_fetches_only_what_the_backend_loads(tmp_path, accel, repo_files, want, calls):
+    import os
+
+    from embedops_operator.render import download_script
+    from embedops_operator.spec import parse
+
+    repo = tmp_path / "repo"
+    for f in ["config.json", "tokenizer.json", "modules.json", "1_Pooling/config.json", "sparse_linear.pt",
+              "colbert_linear.pt", "README.md", *repo_files]:
+        (repo / f).parent.mkdir(parents=True, exist_ok=True)
+        (repo / f).write_text(f)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "hf").write_text(FAKE_HF)
+    (bin_dir / "hf").chmod(0o755)
+    hub, log = tmp_path / "hub", tmp_path / "calls"
+    doc = {"apiVersion": "embedops.dev/v1alpha1", "kind": "EmbeddingService", "metadata": {"name": "m3"},
+           "spec": {"model": {"id": "BAAI/bge-m3", "source": {"download": {}}}, "accelerator": accel}}
+    script = download_script(parse(doc).spec, hub=str(hub))
+    r = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HF_HUB_CACHE": str(hub),
+                            "FAKE_REPO": str(repo), "FAKE_LOG": str(log)})
+    assert r.returncode == 0, r.stderr
+    snap = hub / "models--BAAI--bge-m3" / "snapshots" / "abc123"
+    got = {str(p.relative_to(snap)) for p in snap.rglob("*") if p.is_file()}
+    weights = {f for f in got if f.endswith((".onnx", ".onnx_data", ".safetensors", ".bin"))}
+    assert weights == want
+    assert {"config.json", "tokenizer.json", "1_Pooling/config.json", "sparse_linear.pt", "colbert_linear.pt"} <= got
+    assert "README.md" not in got
+    assert len(log.read_text().splitlines()) == calls
