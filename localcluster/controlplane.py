@@ -30,6 +30,7 @@ Fault tests stop and start single components in place (same ports, same etcd dat
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -225,7 +226,7 @@ class Cluster:
         try:
             with urllib.request.urlopen(st["server"] + "/readyz", context=self._ssl(), timeout=3) as r:
                 return r.status == 200
-        except (urllib.error.URLError, OSError, KeyError, ssl.SSLError):
+        except (urllib.error.URLError, OSError, KeyError, ssl.SSLError, http.client.HTTPException):
             return False
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -237,27 +238,24 @@ class Cluster:
         state["procs"].append({"name": name, "pid": p.pid, "argv0": argv[0], "argv": argv})
         self._save(state)
 
-    def _death(self, proc: dict) -> str:
+    def _exit_status(self, proc: dict) -> str | None:
+        """None while ``proc`` runs, else how it ended ('exited 2', 'was killed by SIGKILL'). The harness is
+        the parent of what it started, so the kernel's own answer (waitpid) decides; /proc is read only for a
+        process another harness started. (/proc/PID/cmdline alone once called a live etcd dead in CI, and the
+        clean-up then stopped it.)"""
+        try:
+            pid, status = os.waitpid(proc["pid"], os.WNOHANG)
+        except ChildProcessError:  # not ours (another process's harness), or reaped already
+            return None if self._alive(proc) else "exited"
+        if not pid:
+            return None
+        if os.WIFSIGNALED(status):
+            return f"was killed by {signal.Signals(os.WTERMSIG(status)).name}"
+        return f"exited {os.WEXITSTATUS(status)}"
+
+    def _death(self, proc: dict, how: str) -> str:
         """'etcd exited 2: <its last log line>' or 'etcd was killed by SIGKILL (log empty)': a kill from
-        outside (the OOM killer, a stray clean-up) told apart from a crash. The harness started it, so its exit
-        status can still be collected."""
-        how = "exited"
-        # a dying process loses its command line a moment before it can be reaped: wait for that moment
-        deadline = time.monotonic() + 5
-        while True:
-            try:
-                pid, status = os.waitpid(proc["pid"], os.WNOHANG)
-            except (ChildProcessError, OSError):  # not ours, or reaped already: the status is gone
-                break
-            if pid:
-                if os.WIFSIGNALED(status):
-                    how = f"was killed by {signal.Signals(os.WTERMSIG(status)).name}"
-                else:
-                    how = f"exited {os.WEXITSTATUS(status)}"
-                break
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
+        outside (the OOM killer, a stray clean-up) told apart from a crash."""
         try:
             lines = (self.run_dir / "logs" / f"{proc['name']}.log").read_text(errors="replace").strip().splitlines()
         except OSError:
@@ -269,10 +267,10 @@ class Cluster:
         while time.monotonic() < deadline:
             if ok():
                 return
-            dead = [p for p in state["procs"] if not self._alive(p)]
+            dead = [(p, how) for p in state["procs"] if (how := self._exit_status(p)) is not None]
             if dead:
-                raise RuntimeError(f"{'; '.join(self._death(p) for p in dead)} while waiting for {what}; "
-                                   f"see {self.run_dir / 'logs'}")
+                raise RuntimeError(f"{'; '.join(self._death(p, how) for p, how in dead)} while waiting for "
+                                   f"{what}; see {self.run_dir / 'logs'}")
             time.sleep(0.3)
         raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; see {self.run_dir / 'logs'}")
 
@@ -505,7 +503,8 @@ class Cluster:
         try:
             with urllib.request.urlopen(url.split(",")[0] + "/health", timeout=3) as r:
                 return json.loads(r.read()).get("health") == "true"
-        except (urllib.error.URLError, OSError, ValueError):
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
+            # a starting etcd serves HTTP and gRPC on one port: an early request can get a malformed answer
             return False
 
     def _stop(self, procs: list[dict]) -> None:
