@@ -198,10 +198,7 @@ def component(name: str) -> Component:
 
 def provided(name: str, file: str | None = None) -> Path:
     """Where component ``name`` keeps ``file`` (default: its first, the binary)."""
-    c = component(name)
-    if file is not None and c.aliases and file in c.aliases:
-        return c.dir / file
-    return c.path(file)
+    return component(name).path(file)
 
 
 def crd_files() -> dict[str, list[Path]]:

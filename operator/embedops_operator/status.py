@@ -10,7 +10,10 @@ import datetime as dt
 from dataclasses import dataclass, field
 from typing import Any
 
+from embedops_server import sizing
+
 from . import render
+from .memory import cpu_memory
 from .spec import EmbeddingServiceSpec, parse as parse_resource
 
 IMAGE_PULL = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
@@ -235,10 +238,6 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
 
 
 def _memory_status(spec: EmbeddingServiceSpec) -> dict | None:
-    from embedops_server import sizing
-
-    from .memory import cpu_memory
-
     est = render.sizing_of(spec)
     if est is None:
         return {"detail": f"no estimate: the operator does not know {spec.model.id}'s geometry (set model.geometry)"}

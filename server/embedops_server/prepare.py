@@ -9,12 +9,10 @@ that outlives the pod (model.cache) later pods find the entry and it returns in 
 """
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import logging
 import resource
-import tempfile
 import time
 from pathlib import Path
 
@@ -50,7 +48,7 @@ def prepare(s: Settings) -> dict:
     entry = cache_dir(info, s.onnx_cache)
     root = cache_root(s.onnx_cache)
     # Two pods starting together on a shared cache: one prepares, the other waits and then finds it all made.
-    with open(root / f".{entry.name}.lock", "w") as lock, _scratch_in(root):
+    with open(root / f".{entry.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         tokenizer = Tokenizer.from_file(str(info.path / "tokenizer.json"))
         tokenizer.no_padding()
@@ -71,19 +69,6 @@ def prepare(s: Settings) -> dict:
         except OSError:
             pass  # read-only and already prepared: nothing new to record
     return summary
-
-
-@contextlib.contextmanager
-def _scratch_in(root: Path):
-    """Temporary files of the whole preparation (the exporter's, the quantizer's copies of the model) on the
-    cache volume, never in the pod's /tmp: an emptyDir of 2Gi, smaller than one float32 copy of bge-m3."""
-    saved = tempfile.tempdir
-    with tempfile.TemporaryDirectory(dir=root, prefix=".scratch-") as scratch:
-        tempfile.tempdir = scratch
-        try:
-            yield
-        finally:
-            tempfile.tempdir = saved
 
 
 def main(s: Settings) -> int:

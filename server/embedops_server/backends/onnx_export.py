@@ -240,7 +240,7 @@ def quantize_int8(src: Path, out_dir: Path) -> Path:
         # shape inference, so the quantizer is told their outputs are float32
         import onnx
 
-        with _shape_inference_in(out_dir):
+        with _quantizer_writes_in(out_dir):
             quantize_dynamic(str(src), str(tmp), per_channel=True, reduce_range=True, weight_type=QuantType.QInt8,
                              extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
         os.replace(tmp, target)
@@ -248,11 +248,12 @@ def quantize_int8(src: Path, out_dir: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _shape_inference_in(work_dir: Path):
-    """ONNX Runtime's quantizer writes its input's shape-inferred copy, `<model>-inferred.onnx`, beside the
-    input: on the read-only model volume a pod mounts, quantizing the folder's own onnx/model.onnx failed
-    (FileNotFoundError). This writes that copy into ``work_dir`` (the cache entry) and reads the weights
-    from beside the input. Links to the input would not do: onnx refuses external data behind a symlink."""
+def _quantizer_writes_in(work_dir: Path):
+    """Everything ONNX Runtime's quantizer writes goes to ``work_dir`` (the cache entry, on the cache volume).
+
+    It writes its input's shape-inferred copy, `<model>-inferred.onnx`, beside the input: on the read-only
+    model volume a pod mounts, quantizing the folder's own onnx/model.onnx failed (FileNotFoundError). This
+    writes that copy into ``work_dir`` and reads the weights from beside the input."""
     import importlib
 
     import onnx
