@@ -4,8 +4,8 @@ and ColBERT outputs; the parity tests and the bench's inline target use it).
 PyPI FlagEmbedding 1.4.2 imports a module transformers 5 removed, so the venv has transformers<5 (and its own
 huggingface_hub, tokenizers, datasets). torch is not downloaded again: a .pth file appends the main venv's
 site-packages after the side venv's own, so the side venv's transformers wins and torch, numpy, ... come from
-the main venv (checked at creation: transformers' version and torch's path). Created once, cached under
-~/.cache/embedops, one per main venv (``EMBEDOPS_FLAG_VENV`` overrides); a marker file records success.
+the main venv (checked at creation: transformers' version and torch's path). Created once, inside the main
+venv (under ~/.cache/embedops outside one; ``EMBEDOPS_FLAG_VENV`` overrides); a marker file records success.
 
 ``encode()`` runs ``bench/flagembedding_runner.py`` in that venv as a subprocess; results come back as .npz.
 """
@@ -26,10 +26,14 @@ import numpy as np
 
 FLAG_VERSION = "1.4.2"
 CACHE = Path(os.environ.get("EMBEDOPS_CACHE") or Path.home() / ".cache" / "embedops")
-# One per main venv (its .pth names the main venv's site-packages: another checkout gets its own).
+# One per main venv (its .pth names the main venv's site-packages: another checkout gets its own). It lives inside
+# the main venv, so deleting a checkout (a fresh clone CI ran in) deletes it too; a cache entry per clone once
+# piled up 441 MB each on the disk CI needs.
 _MAIN = sysconfig.get_paths()["purelib"]
+_IN_VENV = sys.prefix != sys.base_prefix
 VENV = Path(os.environ.get("EMBEDOPS_FLAG_VENV") or
-            CACHE / f"venv-flagembedding-{FLAG_VERSION}-{hashlib.sha256(_MAIN.encode()).hexdigest()[:8]}")
+            (Path(sys.prefix) / f"embedops-flagembedding-{FLAG_VERSION}" if _IN_VENV else
+             CACHE / f"venv-flagembedding-{FLAG_VERSION}-{hashlib.sha256(_MAIN.encode()).hexdigest()[:8]}"))
 RUNNER = Path(__file__).with_name("flagembedding_runner.py")
 # What FlagEmbedding's package import needs beyond the main venv (it imports datasets and peft at import).
 REQUIREMENTS = ["transformers>=4.44.2,<5", "huggingface_hub<1", "datasets"]
