@@ -3,7 +3,7 @@
     python -m bench.m3 [--hidden 384 --layers 6] [--backend onnx] [--requests 12] [--rounds 2]
 
 No bge-m3 checkpoint is reachable here, so the model is a random XLM-RoBERTa in bge-m3's layout
-(tests/m3_model.py; default MiniLM-sized: 384 hidden, 6 layers, so the heads weigh relatively more than on
+(bench/m3_model.py; default MiniLM-sized: 384 hidden, 6 layers, so the heads weigh relatively more than on
 bge-m3's 1024 x 24, a conservative ratio). Traffic: ingestion requests of 32 texts x 256 tokens, concurrency 2
 (as scenario 3), rounds interleaved:
 - dense: POST /embed (normalized);
@@ -14,6 +14,8 @@ Prints a table (tokens/s, ratio to dense-only, response bytes per request) and w
 """
 from __future__ import annotations
 
+import atexit
+import shutil
 import argparse
 import json
 import statistics
@@ -49,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
 
-    from tests.m3_model import build_m3_folder
+    from bench.m3_model import build_m3_folder
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-m3-"))
+    atexit.register(shutil.rmtree, tmp, True)  # its model and exports: tens of MB a run, not kept
     model = build_m3_folder(tmp / "m3", hidden=args.hidden, layers=args.layers, max_positions=514)
     gen = TextGen(load_tokenizer(model), seed=1234)
     batches = [gen.texts(TEXTS, TOKENS) for _ in range(4)]

@@ -3,7 +3,8 @@ or run the plain export (token states) and apply them in numpy after it. python 
 (random XLM-R with bge-m3's hidden size 1024 and 2 layers; prints per-forward medians)."""
 from __future__ import annotations
 
-import statistics
+import atexit
+import shutil
 import sys
 import tempfile
 import time
@@ -19,9 +20,10 @@ def main(hidden: int = 1024, layers: int = 2, shapes=((1, 16), (4, 128), (8, 256
     from embedops_server.backends.m3 import load_heads, numpy_heads
     from embedops_server.core.engine import Batch
     from embedops_server.core.model_info import load_model_info
-    from tests.m3_model import build_m3_folder
+    from bench.m3_model import build_m3_folder
 
     tmp = Path(tempfile.mkdtemp())
+    atexit.register(shutil.rmtree, tmp, True)  # its model and exports: tens of MB a run, not kept
     d = build_m3_folder(tmp / "m", hidden=hidden, layers=layers, max_positions=514)
     info = load_model_info(d)
     from transformers import AutoModel

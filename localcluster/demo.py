@@ -85,9 +85,10 @@ def up() -> int:
     import yaml
     from kubernetes import client
 
-    from tests.conftest import Kube
-    from tests.e2e.serving import LocalServer, local_command, secret_reader
-    from tests.models import minilm_dir
+    from localcluster.kube import Kube
+    from localcluster.local_server import LocalServer, local_command, secret_reader
+    from localcluster.models import minilm_dir
+    from localcluster.workloads import prerequisites
 
     t0 = time.monotonic()
     if _state().get("server"):
@@ -122,7 +123,6 @@ def up() -> int:
         doc = yaml.safe_load(EXAMPLE.read_text())
         if kube.real_node:
             doc = _on_real_node(kube, doc)
-        from tests.e2e.test_examples import prerequisites
         prerequisites(kube, NAMESPACE, [doc])
         kube.apply([doc], namespace=NAMESPACE)
         name = doc["metadata"]["name"]
@@ -174,7 +174,8 @@ def _on_real_node(kube, doc: dict) -> dict:
     """Build (cached) and import the CPU server image, stage the model folder the PVC serves, and place the
     example on the real node, sized for this machine."""
     from localcluster import images
-    from tests.e2e.real_pods import DEFAULT_MODELS_HOSTPATH, for_real_node, prepare_models
+    from localcluster.models import DEFAULT_MODELS_HOSTPATH, prepare_models
+    from localcluster.workloads import for_real_node
 
     t = time.monotonic()
     built = images.build(("server",))

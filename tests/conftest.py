@@ -9,19 +9,7 @@ Which cluster:
   come from ``make cluster-binaries``; when they are missing the cluster tests are skipped
   (or fail, with ``EMBEDOPS_REQUIRE_CLUSTER=1``).
 
-API (kept stable for tests/integration and tests/e2e)::
-
-    kube.kubeconfig                 # path (str)
-    kube.api_client()               # a new kubernetes.client.ApiClient
-    kube.install_crds(["servicemonitor", "httproute", "scaledobject"])   # upstream CRDs, Established
-    kube.uninstall_crds([...])      # deleted and gone
-    kube.apply(docs_or_path, namespace=None)   # server-side apply of YAML docs / a file
-    kube.local                      # True when it is the harness's control plane (kwok nodes)
-    kube.helm                       # path of the pinned helm binary, or None
-    kube.real_node                  # "cpu-real-0" when the local cluster has its real node, else None
-    kube.real_node_reason           # why there is no real node (one line), else None
-    kube.import_images(images)      # into the real node's containerd: archive paths (docker/OCI tar) or
-                                    # localcluster/images.py's built images (a list or its dict)
+The cluster's client is ``localcluster.kube.Kube`` (its API is listed there).
 
 The local cluster starts its real node (``localcluster/node.py``: kubelet, kube-proxy, containerd, CNI
 bridge, CoreDNS) by default; ``EMBEDOPS_REAL_NODE=0`` turns it off. When the machine refuses (a package,
@@ -30,12 +18,12 @@ says why.
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import time
 from pathlib import Path
 
 import pytest
+
+from localcluster.kube import Kube
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -66,180 +54,6 @@ def _onnx_cache(tmp_path_factory):
     yield
     if saved is None:
         os.environ.pop("ONNX_CACHE", None)
-
-
-class Kube:
-    def __init__(self, kubeconfig: str, local: bool, helm: str | None = None, real_node: str | None = None,
-                 real_node_reason: str | None = None):
-        self.kubeconfig = kubeconfig
-        self.local = local
-        self.helm = helm
-        self.real_node = real_node
-        self.real_node_reason = real_node_reason
-
-    def import_images(self, images) -> None:
-        """Import image archives (paths of docker-archive/OCI tars, or what localcluster/images.py's
-        ``import_into_containerd`` takes) into the real node's containerd (namespace k8s.io)."""
-        if not self.real_node:
-            raise RuntimeError(f"no real node: {self.real_node_reason}")
-        from localcluster import node
-
-        items = list(images.values()) if isinstance(images, dict) else list(images)
-        paths = [i for i in items if isinstance(i, (str, Path))]
-        built = [i for i in items if not isinstance(i, (str, Path))]
-        if paths:
-            node.import_into_containerd(str(node.SOCK), paths)
-        if built:  # localcluster/images.py's built images (.ref, .archive)
-            from localcluster.images import import_into_containerd
-
-            import_into_containerd(str(node.SOCK), built)
-
-    @contextlib.contextmanager
-    def namespace(self, prefix: str = "t", labels: dict | None = None, name: str | None = None):
-        """A new namespace (``name``, or ``<prefix>-<random>``), yielded once its default ServiceAccount exists
-        (pods need it), deleted afterwards."""
-        import uuid
-
-        from kubernetes import client
-        from kubernetes.client.rest import ApiException
-
-        from tests.waiting import wait_for
-
-        name = name or f"{prefix}-{uuid.uuid4().hex[:8]}"
-        with self.api_client() as api:
-            core = client.CoreV1Api(api)
-            core.create_namespace({"metadata": {"name": name, "labels": labels or {}}})
-
-            def has_sa():
-                try:
-                    return core.read_namespaced_service_account("default", name)
-                except ApiException:
-                    return None
-            wait_for(has_sa, timeout=60, what=f"default ServiceAccount in {name}")
-            try:
-                yield name
-            finally:
-                core.delete_namespace(name)
-
-    def api_client(self):
-        from kubernetes import config
-
-        return config.new_client_from_config(config_file=self.kubeconfig)
-
-    # --- third-party CRDs ----------------------------------------------------------------------
-    @staticmethod
-    def _crd_docs(names) -> list[dict]:
-        import yaml
-
-        from localcluster.components import crd_files
-
-        files = crd_files()
-        docs = []
-        for name in names:
-            if name not in files:
-                raise KeyError(f"unknown CRD {name!r}; known: {sorted(files)}")
-            for f in files[name]:
-                if not f.exists():
-                    raise FileNotFoundError(f"{f} missing; run `make cluster-binaries`")
-                docs += [d for d in yaml.safe_load_all(f.read_text()) if d]
-        return docs
-
-    def install_crds(self, names, timeout: float = 60) -> None:
-        from kubernetes import client
-        from kubernetes.client.rest import ApiException
-
-        docs = self._crd_docs(names)
-        with self.api_client() as api:
-            ext = client.ApiextensionsV1Api(api)
-            for d in docs:
-                try:
-                    ext.create_custom_resource_definition(d)
-                except ApiException as e:
-                    if e.status != 409:
-                        raise
-            deadline = time.monotonic() + timeout
-            for d in docs:
-                name = d["metadata"]["name"]
-                while True:
-                    crd = ext.read_custom_resource_definition(name)
-                    conds = {c.type: c.status for c in (crd.status.conditions or [])}
-                    if conds.get("Established") == "True" and crd.metadata.deletion_timestamp is None:
-                        break
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"CRD {name} not Established: {conds}")
-                    time.sleep(0.2)
-                # Established is not "served": until the watch cache of the new resource is initialized,
-                # requests answer "storage is (re)initializing". A CRD deleted in that window makes the API
-                # server's CRD finalizer fail and retry only a minute later (seen: 64 s uninstalls).
-                spec = d["spec"]
-                version = next(v["name"] for v in spec["versions"] if v.get("served", True))
-                while True:
-                    try:
-                        client.CustomObjectsApi(api).list_cluster_custom_object(
-                            spec["group"], version, spec["names"]["plural"], limit=1)
-                        break
-                    except ApiException as e:
-                        if time.monotonic() > deadline:
-                            raise TimeoutError(f"CRD {name} established but not served: {e.status} {e.reason}")
-                        time.sleep(0.2)
-
-    def uninstall_crds(self, names, timeout: float = 60) -> None:
-        from kubernetes import client
-        from kubernetes.client.rest import ApiException
-
-        docs = self._crd_docs(names)
-        with self.api_client() as api:
-            ext = client.ApiextensionsV1Api(api)
-            for d in docs:
-                try:
-                    ext.delete_custom_resource_definition(d["metadata"]["name"])
-                except ApiException as e:
-                    if e.status != 404:
-                        raise
-            deadline = time.monotonic() + timeout
-            for d in docs:
-                name, nudged = d["metadata"]["name"], time.monotonic()
-                while True:
-                    try:
-                        ext.read_custom_resource_definition(name)
-                    except ApiException as e:
-                        if e.status == 404:
-                            break
-                        raise
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"CRD {name} still present")
-                    if time.monotonic() - nudged > 5:
-                        # A CRD finalizer that failed ("storage is (re)initializing") retries on the next
-                        # update of the CRD: touch it instead of waiting a minute for the retry.
-                        nudged = time.monotonic()
-                        try:
-                            ext.patch_custom_resource_definition(
-                                name, {"metadata": {"annotations": {"embedops.dev/nudge": str(nudged)}}})
-                        except ApiException:
-                            pass
-                    time.sleep(0.2)
-
-    # --- generic apply ---------------------------------------------------------------------------
-    def apply(self, docs, namespace: str | None = None, field_manager: str = "embedops-tests") -> list:
-        """Server-side apply YAML documents (a list of dicts, a YAML string or a file path)."""
-        import yaml
-        from kubernetes import dynamic
-
-        if isinstance(docs, Path) or (isinstance(docs, str) and "\n" not in docs and docs.endswith((".yaml", ".yml"))):
-            docs = Path(docs).read_text()
-        if isinstance(docs, str):
-            docs = [d for d in yaml.safe_load_all(docs) if d]
-        out = []
-        with self.api_client() as api:
-            dyn = dynamic.DynamicClient(api)
-            for d in docs:
-                res = dyn.resources.get(api_version=d["apiVersion"], kind=d["kind"])
-                ns = (d.get("metadata", {}).get("namespace") or namespace) if res.namespaced else None
-                if ns:
-                    d.setdefault("metadata", {})["namespace"] = ns
-                out.append(res.server_side_apply(body=d, name=d["metadata"]["name"], namespace=ns,
-                                                 field_manager=field_manager, force_conflicts=True))
-        return out
 
 
 def _explicit_kubeconfig() -> str | None:

@@ -120,7 +120,7 @@ def models(tmp_path_factory):
     (the image has no torch to export with), and the same folder without ONNX."""
     from embedops_server.backends.onnx_export import export_onnx
     from embedops_server.core.model_info import load_model_info
-    from tests.models import minilm_dir
+    from localcluster.models import minilm_dir
 
     root = tmp_path_factory.mktemp("models")
     with_onnx = root / "with-onnx"
@@ -181,7 +181,7 @@ def test_server_image_serves_under_the_pod_security_context(built, models, conta
     import numpy as np
     from sentence_transformers import SentenceTransformer
 
-    from tests.models import minilm_dir
+    from localcluster.models import minilm_dir
 
     pod = _pod_template()
     port = _free_port()

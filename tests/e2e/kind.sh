@@ -47,7 +47,7 @@ export EMBEDOPS_OPERATOR_IMAGE="embedops-operator:$tag"
 # The models the e2e PersistentVolume serves (hostPath /var/lib/embedops-models on every worker): the bundled
 # all-MiniLM-L6-v2 and a tiny cross-encoder, world-readable for the server's uid 10001.
 models="$(mktemp -d)/models"
-"$PY" -c "import sys; from pathlib import Path; from tests.e2e.real_pods import prepare_models; prepare_models(Path(sys.argv[1]))" "$models"
+"$PY" -c "import sys; from pathlib import Path; from localcluster.models import prepare_models; prepare_models(Path(sys.argv[1]))" "$models"
 for n in $("$KIND" get nodes --name "$CLUSTER"); do
   docker exec "$n" mkdir -p /var/lib/embedops-models
   docker cp "$models/." "$n:/var/lib/embedops-models/"

@@ -1,9 +1,6 @@
-"""Helpers for the e2e tests on real pods (tests/e2e/test_real_pods.py) and the demo's real node.
+"""Helpers for the e2e tests on real pods (tests/e2e/test_real_pods.py); the staged model folder and the
+placement on the real node are the local cluster's (localcluster/models.py, localcluster/workloads.py).
 
-* ``prepare_models(root)``: the folder a hostPath PersistentVolume serves to real pods: the bundled
-  all-MiniLM-L6-v2 and a tiny random cross-encoder, each with an ONNX export made here by the server's own
-  exporter (the locally built CPU image carries no torch, see docs/images.md), world-readable because the
-  server runs as uid 10001.
 * ``client_pod`` / ``run_client``: a pod of the server image running a short Python program (stdlib only),
   placed on a node that runs containers, with the restricted security context the operator renders.
 * ``LOAD_CLIENT``: a bounded closed-loop load generator run inside the cluster: it calls a Service URL from
@@ -11,99 +8,10 @@
 """
 from __future__ import annotations
 
-import copy
-import hashlib
 import json
-import os
-import shutil
 import time
-from pathlib import Path
 
-MINILM = "all-MiniLM-L6-v2"
-RERANKER = "tiny-reranker"
-# A path every real node can read (hostPath): not under a 0700 home or pytest temp dir, since the server
-# runs as uid 10001. The same path the kind workflow copies models to.
-DEFAULT_MODELS_HOSTPATH = "/var/lib/embedops-models"
-# The harness's real node is tainted so that pods of other tests (images no registry holds) stay on the kwok
-# nodes; what is meant for it tolerates the taint.
-REAL_NODE_TOLERATIONS = [{"key": "embedops.dev/real-node", "operator": "Exists", "effect": "NoSchedule"}]
-
-
-def _fingerprint(*paths: Path) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
-            if f.is_file():
-                h.update(f"{f.relative_to(p) if p.is_dir() else f.name}\0{f.stat().st_size}\0".encode())
-    return h.hexdigest()[:16]
-
-
-def prepare_models(root: Path, onnx: bool = True) -> Path:
-    """Fill ``root`` with all-MiniLM-L6-v2 and the tiny reranker (plus ONNX exports when ``onnx``); reused
-    when the inputs have not changed (a stamp file), rebuilt atomically otherwise."""
-    from tests.e2e.serving import make_tiny_reranker
-    from tests.models import minilm_dir
-
-    repo = Path(__file__).resolve().parents[2]
-    exporter = repo / "server" / "embedops_server" / "backends" / "onnx_export.py"
-    src = minilm_dir()
-    stamp = f"{_fingerprint(src, exporter)}-{int(onnx)}"
-    if (root / ".stamp").is_file() and (root / ".stamp").read_text() == stamp:
-        return root
-    tmp = root.with_name(root.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    shutil.copytree(src, tmp / MINILM, symlinks=False,
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "onnx"))
-    make_tiny_reranker(tmp / RERANKER, src)
-    if onnx:
-        for name in (MINILM, RERANKER):
-            _export(tmp / name)
-    for d, _, files in os.walk(tmp):
-        os.chmod(d, 0o755)
-        for f in files:
-            os.chmod(os.path.join(d, f), 0o644)
-    (tmp / ".stamp").write_text(stamp)
-    shutil.rmtree(root, ignore_errors=True)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(root.parent, os.stat(root.parent).st_mode | 0o055)
-    tmp.rename(root)
-    return root
-
-
-def _export(folder: Path) -> None:
-    """onnx/model.onnx in ``folder``: the server's own export of its torch weights."""
-    import tempfile
-
-    from embedops_server.backends.onnx_export import export_onnx
-    from embedops_server.core.model_info import load_model_info
-
-    info = load_model_info(str(folder), None, None)
-    with tempfile.TemporaryDirectory() as t:
-        out = export_onnx(info, Path(t))
-        (folder / "onnx").mkdir(exist_ok=True)
-        shutil.move(str(out), folder / "onnx" / "model.onnx")
-        data = Path(t) / (out.name + ".data")
-        if data.exists():  # large models keep their weights beside the graph
-            shutil.move(str(data), folder / "onnx" / data.name)
-
-
-def for_real_node(doc: dict, image: str | None, node_selector: dict) -> dict:
-    """An EmbeddingService manifest placed on a node that runs containers and sized for a 2-core machine:
-    ``image`` (None: the operator's default server image), 1 core with a 100m request (several server pods
-    share the cores), no instruction-set constraint (placement is by node), a 5 s preStop drain."""
-    d = copy.deepcopy(doc)
-    spec = d["spec"]
-    if image is not None:
-        spec["image"] = image
-    spec["nodeSelector"] = {**(spec.get("nodeSelector") or {}), **node_selector}
-    spec["tolerations"] = list(spec.get("tolerations") or []) + REAL_NODE_TOLERATIONS
-    cpu = spec["accelerator"]["cpu"]
-    cpu["cores"] = 1
-    cpu.pop("instructionSets", None)
-    spec["resources"] = {"requests": {"cpu": "100m"}}
-    spec["drainSeconds"] = 5
-    return d
+from localcluster.workloads import REAL_NODE_TOLERATIONS
 
 
 def restricted_security() -> tuple[dict, dict]:

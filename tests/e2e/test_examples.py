@@ -6,10 +6,10 @@ same labels, taint and extended resource.
 """
 from __future__ import annotations
 
-
 import pytest
 import yaml
 
+from localcluster.workloads import prerequisites
 from tests.e2e.conftest import REPO, condition, is_true, operator_log, wait_for
 from tests.e2e.kstatus import kstatus
 
@@ -28,39 +28,6 @@ def example_docs() -> list[dict]:
         if p.is_file():
             docs += [d for d in yaml.safe_load_all(p.read_text()) if d and d.get("kind") == "EmbeddingService"]
     return docs
-
-
-def prerequisites(kube, namespace: str, docs: list[dict], host_path: str = "/var/lib/embedops-models") -> None:
-    """What the examples reference and a platform team provides: the model PVC (bound to a hostPath
-    PV at ``host_path`` on the node), the API-key Secret."""
-    objs: list[dict] = []
-    for d in docs:
-        spec = d["spec"]
-        pvc = (((spec.get("model") or {}).get("source") or {}).get("pvc") or {}).get("claimName")
-        if pvc:
-            pv = f"{namespace}-{pvc}"
-            objs.append({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
-                         "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadOnlyMany"],
-                                  "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
-                                  "hostPath": {"path": host_path},
-                                  "claimRef": {"namespace": namespace, "name": pvc}}})
-            objs.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                         "metadata": {"name": pvc, "namespace": namespace},
-                         "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": pv,
-                                  "resources": {"requests": {"storage": "10Gi"}}}})
-        ref = spec.get("apiKeySecretRef")
-        if ref:
-            objs.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": ref["name"], "namespace": namespace},
-                         "stringData": {ref.get("key", "api-key"): "e2e-secret-key"}})
-    seen = set()
-    unique = []
-    for o in objs:
-        k = (o["kind"], o["metadata"]["name"])
-        if k not in seen:
-            seen.add(k)
-            unique.append(o)
-    if unique:
-        kube.apply(unique, namespace=namespace)
 
 
 def _accel(doc):

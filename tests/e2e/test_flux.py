@@ -8,7 +8,8 @@ import yaml
 
 from tests.e2e import flux
 from tests.e2e.conftest import REPO, condition, wait_for
-from tests.e2e.test_examples import example_docs, prerequisites
+from tests.e2e.test_examples import example_docs
+from localcluster.workloads import prerequisites
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -29,9 +29,9 @@ import yaml
 
 from tests.e2e import conftest as e2e
 from tests.e2e.conftest import GROUP, PLURAL, REPO, VERSION, EmbSvc, operator_log, wait_for
-from tests.e2e.real_pods import (DEFAULT_MODELS_HOSTPATH, LOAD_CLIENT, MINILM, REAL_NODE_TOLERATIONS, RERANKER, client_pod, exec_in,
-                                 for_real_node, pod_log, prepare_models, run_client, wait_pod_phase)
-from tests.e2e.test_examples import prerequisites
+from localcluster.models import DEFAULT_MODELS_HOSTPATH, MINILM, RERANKER, prepare_models
+from localcluster.workloads import REAL_NODE_TOLERATIONS, for_real_node, prerequisites
+from tests.e2e.real_pods import LOAD_CLIENT, client_pod, exec_in, pod_log, run_client, wait_pod_phase
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

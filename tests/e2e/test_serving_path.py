@@ -2,7 +2,7 @@
 
 The operator reconciles two CPU EmbeddingServices on the cluster (the examples' MiniLM ingestion
 embedder and a reranker); the test reads each reconciled Deployment's server container (command, args,
-env, volume mounts), runs exactly that as a local process on the bundled models (tests/models.py
+env, volume mounts), runs exactly that as a local process on the bundled models (localcluster/models.py
 minilm_dir(), and a tiny random cross-encoder) and calls /v1/embeddings and /rerank on it.
 """
 from __future__ import annotations
@@ -16,8 +16,10 @@ import pytest
 import yaml
 
 from tests.e2e.conftest import REPO, operator_log
-from tests.e2e.serving import LocalServer, free_port, local_command, make_tiny_reranker, secret_reader
-from tests.e2e.test_examples import prerequisites
+from localcluster.local_server import LocalServer, local_command, secret_reader
+from localcluster.pki import free_port
+from localcluster.models import make_tiny_reranker
+from localcluster.workloads import prerequisites
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -44,7 +46,7 @@ def cos(a, b):
 
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory):
-    from tests.models import minilm_dir
+    from localcluster.models import minilm_dir
 
     try:
         minilm = minilm_dir()

@@ -20,7 +20,7 @@ import pytest
 from embedops_server.router.app import create_app
 from embedops_server.router.server import DrainingServer
 from embedops_server.settings import Settings
-from tests.models import minilm_dir, minilm_onnx_dir, splade_dir
+from localcluster.models import minilm_dir, minilm_onnx_dir, splade_dir
 
 import uvicorn
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.models import minilm_dir
+from localcluster.models import minilm_dir
 
 from .conftest import TEXTS, cosine, run_server
 

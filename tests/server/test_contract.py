@@ -53,7 +53,7 @@ def schemathesis(url: str, workdir: Path, *args: str, examples: int = 20, config
 def m3(tmp_path_factory):
     """A small random model in bge-m3's layout (dense, sparse and ColBERT heads): /embed_sparse, /embed_colbert
     and /embed_hybrid are in its document."""
-    from tests.m3_model import build_m3_folder
+    from bench.m3_model import build_m3_folder
 
     from .conftest import run_server
 
@@ -265,7 +265,7 @@ def test_markers_resolve_to_this_servers_limits():
 def test_bge_m3_document_lists_the_heads_the_folder_has(m3, tmp_path):
     """/embed_sparse for SPLADE and for bge-m3's sparse head (not for a plain embedder), /embed_colbert only with
     the colbert head; ColBERT's `dimensions` limit is the ColBERT size."""
-    from tests.m3_model import build_m3_folder
+    from bench.m3_model import build_m3_folder
 
     from .conftest import run_server
 

@@ -80,7 +80,7 @@ def test_torch_cpu_uses_one_thread_for_tiny_forwards():
 def test_ort_session_has_no_memory_arena_and_a_forward_cap(monkeypatch):
     from embedops_server.backends.ort_backend import OrtBackend
     from embedops_server.core.model_info import load_model_info
-    from tests.models import minilm_onnx_dir
+    from localcluster.models import minilm_onnx_dir
 
     monkeypatch.delenv("EMBEDOPS_ORT_ARENA", raising=False)
     info = load_model_info(str(minilm_onnx_dir()), "mean", "main")
@@ -95,7 +95,7 @@ def test_ort_forwards_side_by_side_are_formed_smaller(monkeypatch):
     """Two 1-thread forwards side by side run batches of 256 padded tokens; one forward keeps 1024."""
     from embedops_server.backends.ort_backend import OrtBackend
     from embedops_server.core.model_info import load_model_info
-    from tests.models import minilm_onnx_dir
+    from localcluster.models import minilm_onnx_dir
 
     info = load_model_info(str(minilm_onnx_dir()), "mean", "main")
     monkeypatch.setenv("EMBEDOPS_ORT_SMALL_TOKENS", "0")  # no latency session: not what this checks
@@ -163,7 +163,7 @@ def test_hybrid_server_matches_sentence_transformers(st_model):
     import httpx
     import numpy as np
 
-    from tests.models import minilm_dir
+    from localcluster.models import minilm_dir
     from tests.server.conftest import cosine, run_server
 
     short, long = "What is the capital of France?", "Embeddings map sentences to vectors. " * 40
@@ -187,7 +187,7 @@ def test_ort_spinning_session_for_tiny_forwards(monkeypatch):
     from embedops_server.backends.ort_backend import OrtBackend
     from embedops_server.core.engine import Batch
     from embedops_server.core.model_info import load_model_info
-    from tests.models import minilm_onnx_dir
+    from localcluster.models import minilm_onnx_dir
 
     info = load_model_info(str(minilm_onnx_dir()), "mean", "main")
     monkeypatch.delenv("EMBEDOPS_ORT_SMALL_TOKENS", raising=False)
@@ -211,7 +211,7 @@ def test_ort_parallel_forwards_use_a_one_thread_session(monkeypatch):
     from embedops_server.backends.ort_backend import OrtBackend
     from embedops_server.core.engine import Batch
     from embedops_server.core.model_info import load_model_info
-    from tests.models import minilm_onnx_dir
+    from localcluster.models import minilm_onnx_dir
 
     info = load_model_info(str(minilm_onnx_dir()), "mean", "main")
     monkeypatch.delenv("EMBEDOPS_ORT_PARALLEL", raising=False)
@@ -241,7 +241,7 @@ def test_engine_runs_two_forwards_side_by_side_and_answers_everyone(st_model):
     import httpx
     import numpy as np
 
-    from tests.models import minilm_onnx_dir
+    from localcluster.models import minilm_onnx_dir
     from tests.server.conftest import cosine, run_server
 
     with run_server(model_id=str(minilm_onnx_dir()), backend="onnxruntime", pooling="mean", num_threads=2,
@@ -292,7 +292,7 @@ def test_two_inference_threads_lingering_on_one_look_ahead_batch_both_survive(mo
     from embedops_server.core.model_info import load_model_info
     from embedops_server.core.queue import Entry
     from embedops_server.core.tokenization import TokenizerPool
-    from tests.models import minilm_onnx_dir
+    from localcluster.models import minilm_onnx_dir
 
     info = load_model_info(str(minilm_onnx_dir()), "mean", "main")
     backend = OrtBackend(info, threads=2)
@@ -329,7 +329,7 @@ def test_small_forwards_run_the_fused_graph_with_the_same_outputs(folder, monkey
     from embedops_server.backends.ort_backend import OrtBackend
     from embedops_server.core.engine import Batch
     from embedops_server.core.model_info import load_model_info
-    from tests.models import minilm_dir, minilm_onnx_dir
+    from localcluster.models import minilm_dir, minilm_onnx_dir
 
     root = minilm_onnx_dir() if folder == "onnx" else minilm_dir()
     info = load_model_info(str(root), "mean", "main")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from embedops_server.core.model_info import ModelError, load_model_info
-from tests.models import minilm_dir
+from localcluster.models import minilm_dir
 
 from .conftest import TEXTS, cosine, run_server
 

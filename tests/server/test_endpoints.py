@@ -7,7 +7,7 @@ import httpx
 import numpy as np
 import torch
 
-from tests.models import minilm_dir
+from localcluster.models import minilm_dir
 
 from .conftest import STATES, TEXTS, cosine
 

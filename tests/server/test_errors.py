@@ -118,7 +118,7 @@ def test_truncated_request_line_does_not_hang(minilm_torch):
 
 
 def test_backend_failure_424_and_engine_survives(tmp_path):
-    from tests.models import minilm_dir
+    from localcluster.models import minilm_dir
 
     with run_server(model_id=str(minilm_dir()), backend="torch") as (url, st):
         backend = st.service.backend
@@ -172,7 +172,7 @@ def test_lone_surrogate_in_a_rerank_pair_is_422(reranker):
 
 
 def test_cors_preflight_allows_authorization_and_errors_carry_cors_headers(tmp_path):
-    from tests.models import minilm_dir
+    from localcluster.models import minilm_dir
 
     origin = {"Origin": "https://app.example.com"}
     with run_server(model_id=str(minilm_dir()), backend="onnxruntime", api_key="k", onnx_cache=str(tmp_path),

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.models import minilm_dir
+from localcluster.models import minilm_dir
 
 from .conftest import cosine, free_port, run_server, wait_healthy
 

@@ -10,8 +10,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.m3_model import build_m3_folder
-from tests.models import minilm_dir
+from bench.m3_model import build_m3_folder
+from localcluster.models import minilm_dir
 
 from .conftest import TEXTS, run_server
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from embedops_server.core.model_info import EMBEDDER, ModelError, load_model_info
-from tests.models import minilm_dir
+from localcluster.models import minilm_dir
 
 
 def test_hub_id_from_hf_cache(tmp_path, monkeypatch):

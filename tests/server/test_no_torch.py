@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.models import minilm_dir, minilm_onnx_dir
+from localcluster.models import minilm_dir, minilm_onnx_dir
 from tests.server.conftest import free_port, wait_healthy
 
 ROOT = Path(__file__).parents[2]

@@ -7,7 +7,7 @@ import pytest
 
 from embedops_server.backends.ort_backend import OrtBackend
 from embedops_server.core.model_info import load_model_info
-from tests.models import minilm_dir
+from localcluster.models import minilm_dir
 
 from .conftest import TEXTS, cosine, run_server
 

@@ -20,7 +20,7 @@ import pytest
 from embedops_server.backends import onnx_export
 from embedops_server.backends.ort_backend import SMALL_SESSION_MAX_BYTES, OrtBackend
 from embedops_server.core.model_info import ModelError, load_model_info, model_commit
-from tests.m3_model import build_m3_folder
+from bench.m3_model import build_m3_folder
 
 from .conftest import free_port, wait_healthy
 

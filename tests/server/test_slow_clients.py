@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.models import minilm_dir
+from localcluster.models import minilm_dir
 
 from .conftest import free_port, run_server, wait_healthy
 

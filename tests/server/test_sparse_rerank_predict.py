@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.models import splade_dir
+from localcluster.models import splade_dir
 
 from .conftest import TEXTS
 

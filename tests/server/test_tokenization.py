@@ -8,7 +8,7 @@ from tokenizers import Tokenizer
 
 from embedops_server.core.errors import VALIDATION
 from embedops_server.core.tokenization import INLINE_MAX_CHARS, EncodeJob, TokenizerPool
-from tests.models import minilm_dir
+from localcluster.models import minilm_dir
 
 
 class Done:

@@ -80,3 +80,17 @@ def test_no_import_circle():
 
 def test_the_check_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_product_code_never_imports_the_tests():
+    """The demo, the bench, the server and the operator run without tests/ (the demo once imported its cluster
+    client and model folders from there): nothing outside tests/ imports ``tests``."""
+    offenders = []
+    for folder in PACKAGES:
+        for f in (REPO / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                offenders += [f"{f.relative_to(REPO)}:{node.lineno} imports {n}" for n in names
+                              if n == "tests" or n.startswith("tests.")]
+    assert offenders == []

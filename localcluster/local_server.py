@@ -7,7 +7,7 @@ run exactly that here. The only changes, each forced by running outside a pod:
     models, emptyDirs to fresh temp folders), in args and env values alike;
   * `--hostname`/`--port` become 127.0.0.1 and a free port (a pod has its own network namespace);
   * `valueFrom.secretKeyRef` env is resolved from the Secret in the cluster.
-Used by tests/e2e/test_serving_path.py and scripts/demo.sh.
+Used by the demo without a real node (localcluster/demo.py) and tests/e2e/test_serving_path.py.
 """
 from __future__ import annotations
 
@@ -15,18 +15,11 @@ import base64
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_container(deployment: dict) -> dict:
@@ -137,22 +130,3 @@ class LocalServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def make_tiny_reranker(dest: Path, tokenizer_from: Path) -> Path:
-    """A tiny random BertForSequenceClassification(num_labels=1) with MiniLM's tokenizer: a cross-encoder
-    shaped model for exercising /rerank (scores are meaningless, the plumbing is real)."""
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
-
-    dest.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    vocab = sum(1 for _ in open(tokenizer_from / "vocab.txt", encoding="utf-8")) \
-        if (tokenizer_from / "vocab.txt").exists() else 30522
-    cfg = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=64, max_position_embeddings=512, num_labels=1)
-    BertForSequenceClassification(cfg).save_pretrained(dest)
-    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        if (tokenizer_from / f).exists():
-            shutil.copy(tokenizer_from / f, dest / f)
-    return dest

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.models import minilm_dir
+from localcluster.models import minilm_dir
 
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 CALIBRATION = ["Kubernetes operators reconcile custom resources.", "The quick brown fox jumps over the lazy dog.",
