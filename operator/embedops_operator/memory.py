@@ -109,9 +109,11 @@ def estimate(spec: EmbeddingServiceSpec, dtype: str) -> Sizing | None:
         parallel = 2 if cpu.cores > 1 and weights <= PARALLEL_MAX_WEIGHTS and runs_onnx(spec) else 1
         forward = 256 if parallel > 1 else 1024
         tokenizers = max(1, min(4, cpu.cores // 2)) + 2  # workers + the event loop's + the synchronous one
+        # ColBERT answers one 1024-float vector per token: a full request's outweigh a forward
+        colbert_tokens = b.max_client_batch_size * longest if "colbert" in (m.outputs or []) else 0
         replica = sizing.estimate(g, dtype=weights_dtype, device="cpu", max_input_length=longest,
                                   forward_tokens=min(forward, b.max_batch_tokens), parallel_forwards=parallel,
-                                  tokenizers=tokenizers)
+                                  tokenizers=tokenizers, colbert_request_tokens=colbert_tokens)
     else:  # torch on CUDA: the warm-up runs a full max-batch-tokens forward
         replica = sizing.estimate(g, dtype=dtype, device="cuda", max_input_length=longest,
                                   forward_tokens=b.max_batch_tokens, tokenizers=4)

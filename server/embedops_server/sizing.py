@@ -11,6 +11,8 @@ A replica's resident memory is
   + tokenizers        one Rust tokenizer per worker thread, plus the event loop's and a spare
   + weights           parameters x bytes per parameter (int8: one byte each, float32 four, float16 two)
   + activations       the largest forward's live tensors, times the forwards that run side by side
+  + responses         ColBERT outputs waiting to be sent: one vector per token (bge-m3: 1024 floats), which
+                      for a full request outweigh a forward
 
 and the largest forward is the worse of two shapes: the longest accepted input alone (its attention scores
 grow with length^2: eager attention holds heads x length^2 scores per layer, 4.3 GB at 8192 tokens) and a full
@@ -64,6 +66,12 @@ TOKENIZER_BASE = 4 * MIB
 # glibc keeps freed activation buffers mapped for a while (ONNX Runtime without its arena allocates per
 # forward): the resident peak runs above the live tensors
 ACTIVATION_SLACK = 1.3
+# A ColBERT answer is streamed input by input (router/routes_m3.py), so what a request holds is its float32
+# token vectors until they are sent, plus one input's JSON: resident bytes per float32 output byte, measured
+# with bench/colbert_memory.py (see docs/server.md#memory).
+RESPONSE_BYTES_PER_OUTPUT_BYTE = 1.25  # measured 1.02 (two requests, JSON floats), 0.53 (base64)
+# Requests whose ColBERT outputs are held at once: the one being sent and the one the engine is finishing.
+RESPONSES_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -73,15 +81,17 @@ class Estimate:
     weights: int
     activations: int
     detail: str  # which forward shape decided the activations
+    responses: int = 0  # ColBERT outputs held while they are sent
 
     @property
     def total(self) -> int:
-        return self.runtime + self.tokenizers + self.weights + self.activations
+        return self.runtime + self.tokenizers + self.weights + self.activations + self.responses
 
     def describe(self) -> str:
         rest = "runtime and tokenizers" if self.tokenizers else "runtime"
+        held = f", ColBERT responses {gib(self.responses)}" if self.responses else ""
         return (f"{gib(self.total)} (weights {gib(self.weights)}, activations {gib(self.activations)} "
-                f"for {self.detail}, {rest} {gib(self.runtime + self.tokenizers)})")
+                f"for {self.detail}{held}, {rest} {gib(self.runtime + self.tokenizers)})")
 
 
 def gib(n: int | float) -> str:
@@ -101,12 +111,16 @@ def forward_bytes(g: Geometry, rows: int, length: int, bytes_per_value: int = 4,
 
 
 def estimate(g: Geometry, *, dtype: str, device: str = "cpu", max_input_length: int | None = None,
-             forward_tokens: int = 1024, parallel_forwards: int = 1, tokenizers: int = 3) -> Estimate:
+             forward_tokens: int = 1024, parallel_forwards: int = 1, tokenizers: int = 3,
+             colbert_request_tokens: int = 0, colbert_dim: int | None = None) -> Estimate:
     """Peak resident memory of one serving replica: host memory on CPU, GPU memory on CUDA.
 
     ``forward_tokens``: padded tokens per forward (CPU: the ONNX Runtime backend's 1024, or 256 per forward
     with two side by side; CUDA: up to max-batch-tokens, which the warm-up runs in full). ``tokenizers``: Rust
-    tokenizer instances (workers + the event loop's + the synchronous one)."""
+    tokenizer instances (workers + the event loop's + the synchronous one). ``colbert_request_tokens``: with
+    ColBERT outputs served, the most tokens one request may carry (max client batch size x longest input);
+    its vectors (``colbert_dim`` floats each, default the hidden size) are host memory, so they count on CPU
+    only: on a GPU they are not in the slice."""
     length = min(max_input_length or g.max_positions, g.max_positions)
     cuda = device.startswith("cuda")
     value_bytes = 2 if cuda and dtype in ("float16", "bfloat16") else 4  # int8 dynamic: float32 activations
@@ -126,7 +140,9 @@ def estimate(g: Geometry, *, dtype: str, device: str = "cpu", max_input_length: 
     # On CUDA the estimate is the GPU's memory (what a MIG slice must hold): the tokenizers and Python live in
     # the pod's host memory, not on the device
     tok = 0 if cuda else tokenizers * (TOKENIZER_BASE + TOKENIZER_BYTES_PER_PIECE * g.vocab)
-    return Estimate(CUDA_RUNTIME if cuda else CPU_RUNTIME, tok, weights, act, detail)
+    held = 0 if cuda else int(RESPONSES_IN_FLIGHT * colbert_request_tokens * (colbert_dim or g.hidden) * 4
+                              * RESPONSE_BYTES_PER_OUTPUT_BYTE)
+    return Estimate(CUDA_RUNTIME if cuda else CPU_RUNTIME, tok, weights, act, detail, held)
 
 
 # The one-time preparation, in float32 copies of the weights at its peak (measured on bge-m3's 2.27 GB: the

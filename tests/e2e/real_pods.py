@@ -113,6 +113,39 @@ print(json.dumps({"ok": ok[0], "failed": sum(fails.values()), "failures": dict(f
 """
 
 
+# $CONCURRENCY requests at once, each $INPUTS texts over 512 tokens (truncated) to $URL (/embed_hybrid: dense,
+# sparse and ColBERT as JSON floats, the largest answer the service gives); each answer is read as it streams
+# and only counted (the client pod has 256Mi). Prints one JSON list: status, bytes, inputs answered, seconds.
+HYBRID_BURST = r"""
+import json, os, threading, time, urllib.request
+url, n, k = os.environ["URL"], int(os.environ["INPUTS"]), int(os.environ["CONCURRENCY"])
+texts = [f"passage {i}: hybrid retrieval with lexical weights and late-interaction vectors " * 60 for i in range(n)]
+body = json.dumps({"inputs": texts, "truncate": True}).encode()
+mark = b'"colbert":'
+out = [None] * k
+def call(j):
+    t = time.monotonic()
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=900) as r:
+            size, rows, tail = 0, 0, b""
+            while True:
+                chunk = r.read(1 << 20)
+                if not chunk:
+                    break
+                size += len(chunk)
+                rows += (tail + chunk).count(mark)
+                tail = chunk[-(len(mark) - 1):]
+            out[j] = {"status": r.status, "bytes": size, "rows": rows, "seconds": round(time.monotonic() - t, 1),
+                      "transfer_encoding": r.headers.get("Transfer-Encoding")}
+    except Exception as e:
+        out[j] = {"status": getattr(e, "code", None), "error": f"{type(e).__name__}: {e}"[:300]}
+threads = [threading.Thread(target=call, args=(j,)) for j in range(k)]
+[t.start() for t in threads]; [t.join() for t in threads]
+print(json.dumps(out), flush=True)
+"""
+
+
 def wait_pod_phase(core, ns: str, name: str, phases: tuple[str, ...], timeout: float = 180) -> object:
     deadline = time.monotonic() + timeout
     pod = None

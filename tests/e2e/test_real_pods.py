@@ -27,11 +27,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e import conftest as e2e
-from tests.e2e.conftest import GROUP, PLURAL, REPO, VERSION, EmbSvc, operator_log, wait_for
+from embedops_server.sizing import parse_quantity
 from localcluster.models import DEFAULT_MODELS_HOSTPATH, MINILM, RERANKER, prepare_models
 from localcluster.workloads import REAL_NODE_TOLERATIONS, for_real_node, prerequisites
-from tests.e2e.real_pods import LOAD_CLIENT, client_pod, exec_in, pod_log, run_client, wait_pod_phase
+from tests.e2e import conftest as e2e
+from tests.e2e.conftest import GROUP, PLURAL, REPO, VERSION, EmbSvc, operator_log, wait_for
+from tests.e2e.real_pods import HYBRID_BURST, LOAD_CLIENT, client_pod, exec_in, pod_log, run_client, wait_pod_phase
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -438,6 +439,25 @@ def test_bge_m3_at_real_size_prepared_once_and_served_under_the_operators_defaul
     assert peak_kb >= now_kb
     print(f"bge-m3 int8 server in the pod: RSS {now_kb / 1024:.0f} MB, peak {peak_kb / 1024:.0f} MB "
           f"(limit {limits['memory']})")
+
+    # the largest answers the service gives, at once: full requests (maxClientBatchSize inputs at
+    # maxInputLength) with ColBERT as JSON floats. The rendered limit holds them: no OOM kill, no restart.
+    batch = spec["batching"]["maxClientBatchSize"]
+    burst = client_pod("burst-m3", real.server_image, HYBRID_BURST, real.node_selector,
+                       {"URL": f"{base}/embed_hybrid", "INPUTS": batch, "CONCURRENCY": 2})
+    svc.core.create_namespaced_pod(ns, burst)
+    wait_pod_phase(svc.core, ns, "burst-m3", ("Succeeded",), timeout=900)
+    answers = json.loads(svc.core.read_namespaced_pod_log("burst-m3", ns).strip().splitlines()[-1])
+    peak_after = int(exec_in(kube, ns, first.metadata.name, ["python3", "-c", (
+        "s = dict(l.split(':', 1) for l in open('/proc/1/status').read().splitlines())\n"
+        "print(s['VmHWM'].split()[0])")]))
+    limit_bytes = parse_quantity(limits["memory"])
+    print(f"bge-m3 int8, 2 concurrent /embed_hybrid of {batch} x 512 tokens (JSON floats): {answers}; server peak "
+          f"{peak_after / 1024:.0f} MB, estimate {status['memory']['estimate']}, limit {limits['memory']}")
+    assert all(a["status"] == 200 and a["rows"] == batch and a["transfer_encoding"] == "chunked" for a in answers), answers
+    assert peak_after * 1024 < limit_bytes
+    pod_now = svc.core.read_namespaced_pod(first.metadata.name, ns)
+    assert pod_now.status.container_statuses[0].restart_count == 0, pod_now.status.container_statuses
 
     # a second replica finds the prepared graph: nothing redone
     t1 = time.monotonic()

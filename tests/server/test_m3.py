@@ -132,6 +132,33 @@ def test_outputs_options_and_errors(m3_dir, tmp_path):
         assert r.status_code == 424 and "sparse_linear.pt" in r.json()["error"], r.text
 
 
+def test_a_large_colbert_answer_is_streamed_and_says_the_same(m3_dir):
+    """Over 65,536 numbers a ColBERT answer is made input by input and streamed (chunked, no Content-Length), so
+    the server never holds the whole JSON body; what it says is what the whole-body path says. With normalize
+    off, truncating to 64 dimensions is a prefix, and 64 x ~250 tokens stays under the streaming threshold."""
+    long_text = M3_TEXTS[-1]
+    with run_server(model_id=str(m3_dir), backend="torch") as (url, st):
+        small = httpx.post(url + "/embed_colbert", json={"inputs": [long_text], "normalize": False,
+                                                         "dimensions": 64})
+        assert small.status_code == 200 and "content-length" in small.headers
+        ref = np.array(small.json()[0])
+        assert ref.shape[1] == 64 and ref.shape[0] * ref.shape[1] < 1 << 16
+        body = {"inputs": [long_text] * 8, "normalize": False}
+        big = httpx.post(url + "/embed_colbert", json=body)
+        assert big.status_code == 200 and big.headers.get("transfer-encoding") == "chunked"
+        assert "content-length" not in big.headers and big.headers["content-type"] == "application/json"
+        rows = [np.array(r) for r in big.json()]
+        assert len(rows) == 8 and all(r.shape == (ref.shape[0], rows[0].shape[1]) for r in rows)
+        assert all(np.allclose(r[:, :64], ref, atol=1e-5) for r in rows)
+        hybrid = httpx.post(url + "/embed_hybrid", json={**body, "encoding_format": "base64"})
+        assert hybrid.headers.get("transfer-encoding") == "chunked"
+        for r, got in zip(rows, hybrid.json()):
+            assert sorted(got) == ["colbert", "dense", "sparse"]
+            vecs = np.frombuffer(base64.b64decode(got["colbert"]), "<f4").reshape(r.shape)
+            assert np.array_equal(vecs, r.astype(np.float32))
+        assert httpx.get(url + "/health").status_code == 200
+
+
 def test_head_files_read_without_torch(m3_dir, tmp_path):
     """The ONNX Runtime-only image has no torch: the heads' .pt files are read by a small zip/pickle reader."""
     import torch

@@ -184,3 +184,28 @@ def test_printer_columns_show_memory_and_commit_wide():
     cols = {c["name"]: c for c in S.crd()["spec"]["versions"][0]["additionalPrinterColumns"]}
     assert cols["Memory"]["jsonPath"] == ".status.memory.estimate" and cols["Memory"]["priority"] == 1
     assert cols["Commit"]["jsonPath"] == ".status.model.commit"
+
+
+def test_colbert_outputs_count_the_responses_a_replica_holds():
+    """ColBERT answers one 1024-float vector per token: two full requests' vectors (maxClientBatchSize x the
+    longest input) are in the estimate when colbert is served, on CPU; dense and sparse add nothing, and on a
+    GPU the vectors are host memory, not the slice's."""
+    def with_outputs(spec: dict, outputs: list[str] | None, batch: int = 64) -> dict:
+        s = copy.deepcopy(spec)
+        s["model"]["outputs"] = outputs
+        s["batching"] = {**s.get("batching", {}), "maxClientBatchSize": batch}
+        return s
+    plain = R.sizing_of(parsed(with_outputs(INGEST, ["dense", "sparse"]))).replica
+    hybrid = R.sizing_of(parsed(with_outputs(INGEST, ["dense", "sparse", "colbert"]))).replica
+    assert plain.responses == 0 and plain.total == R.sizing_of(parsed(INGEST)).replica.total
+    held = sizing.RESPONSES_IN_FLIGHT * 64 * 512 * 1024 * 4 * sizing.RESPONSE_BYTES_PER_OUTPUT_BYTE
+    assert hybrid.responses == int(held) and hybrid.total - plain.total == hybrid.responses
+    assert "ColBERT responses" in hybrid.describe() and "ColBERT" not in plain.describe()
+    smaller = R.sizing_of(parsed(with_outputs(INGEST, ["dense", "sparse", "colbert"], batch=16))).replica
+    assert smaller.responses * 4 == hybrid.responses  # linear in the request's tokens
+    limit = sizing.parse_quantity(container(render(with_outputs(INGEST, ["dense", "colbert"])))
+                                  ["resources"]["limits"]["memory"])
+    assert limit >= hybrid.total * M.HEADROOM
+    gpu = copy.deepcopy(MIG)
+    gpu["model"]["outputs"] = ["dense", "colbert"]
+    assert R.sizing_of(parsed(gpu)).replica.responses == 0

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 import numpy as np
 import orjson
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from pydantic import StrictBool
 
 from ..core.errors import BACKEND, VALIDATION
@@ -106,11 +106,6 @@ def _b64(a: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(a, dtype="<f4").tobytes()).decode("ascii")
 
 
-def colbert(rows: list[np.ndarray], dimensions: int | None, normalize: bool) -> list[np.ndarray]:
-    """Per input [tokens - 1, d]: MRL-style truncation first, then L2 normalization per token vector."""
-    return [scoring.truncate_normalize(v, dimensions, normalize) for v in rows]
-
-
 def lexical(rows: list[tuple[np.ndarray, np.ndarray]]) -> list[list[dict]]:
     """TEI's sparse shape: per input [{"index": token id, "value": weight}] (ids ascending)."""
     return [[{"index": i, "value": x} for i, x in zip(ids.tolist(), w.tolist())] for ids, w in rows]
@@ -139,9 +134,14 @@ async def embed_sparse(request: Request, body: EmbedAllRequest):
              summary="ColBERT multi-vectors (bge-m3 colbert head): per input one vector per token after the first")
 async def embed_colbert(request: Request, body: ColbertRequest):
     st, svc, results, req, t0 = await _run(request, body, [COLBERT])
-    vecs = colbert([r[COLBERT] for r in results], body.dimensions, body.normalize)
-    out = [_b64(v) for v in vecs] if body.encoding_format == "base64" else vecs
-    return await _json(out, st.headers(req, t0))
+    raw = [r[COLBERT] for r in results]
+    del results
+
+    def row(i: int):
+        v = scoring.truncate_normalize(raw[i], body.dimensions, body.normalize)
+        raw[i] = None  # sent: its float32 rows are not needed any more
+        return _b64(v) if body.encoding_format == "base64" else v
+    return await _json_rows(len(raw), row, _size(raw), st.headers(req, t0))
 
 
 @router.post("/embed_hybrid", tags=["bge-m3"], **route_doc(HYBRID_OK, []),
@@ -159,29 +159,58 @@ async def embed_hybrid(request: Request, body: HybridRequest):
         cols[DENSE] = [_b64(v) for v in d] if body.encoding_format == "base64" else list(d)
     if LEXICAL in wanted:
         cols[LEXICAL] = lexical([r[LEXICAL] for r in results])
-    if COLBERT in wanted:
-        c = colbert([r[COLBERT] for r in results], body.dimensions, body.normalize)
-        cols[COLBERT] = [_b64(v) for v in c] if body.encoding_format == "base64" else c
-    out = [{k: cols[k][i] for k in wanted} for i in range(len(results))]
-    return await _json(out, st.headers(req, t0))
+    raw = [r[COLBERT] for r in results] if COLBERT in wanted else []
+    n = len(results)
+    del results
+
+    def row(i: int) -> dict:
+        out = {k: cols[k][i] for k in wanted if k != COLBERT}
+        if COLBERT in wanted:
+            v = scoring.truncate_normalize(raw[i], body.dimensions, body.normalize)
+            raw[i] = None  # sent: its float32 rows are not needed any more
+            out[COLBERT] = _b64(v) if body.encoding_format == "base64" else v
+        return {k: out[k] for k in wanted}
+    return await _json_rows(n, row, _size(raw) + sum(len(c) for c in cols.values()), st.headers(req, t0))
 
 
-OFF_LOOP_FLOATS = 1 << 16  # ~30 ms of orjson: above this a body is serialized in a worker thread
+OFF_LOOP_FLOATS = 1 << 16  # ~30 ms of orjson: above this a body is serialized in a worker thread and streamed
 
 
 async def _json(rows: list, headers: dict) -> Response:
-    """orjson, as routes_tei._json. A large body (ColBERT floats: ~1.6 s for 32 x 256 x 384) is serialized in a
-    worker thread, one input at a time: orjson holds the GIL while it runs, so one call per input lets the event
-    loop (other requests, the engine's results) run between them instead of waiting for the whole body."""
+    """orjson, as routes_tei._json, for bodies built whole (/embed_sparse's lexical weights)."""
     if _floats(rows) < OFF_LOOP_FLOATS:
-        body = orjson.dumps(rows, option=NUMPY)
-    else:
-        body = await asyncio.to_thread(_dumps_rows, rows)
-    return Response(body, media_type="application/json", headers=headers)
+        return Response(orjson.dumps(rows, option=NUMPY), media_type="application/json", headers=headers)
+    return await _json_rows(len(rows), rows.__getitem__, OFF_LOOP_FLOATS, headers)
 
 
-def _dumps_rows(rows: list) -> bytes:
-    return b"[" + b",".join(orjson.dumps(r, option=NUMPY) for r in rows) + b"]"
+async def _json_rows(n: int, row, size: int, headers: dict) -> Response:
+    """A JSON array of ``row(i)`` for i < n. ColBERT multiplies a response by its token count (64 inputs x 512
+    tokens x 1024 floats: 134 MB of float32, ~440 MB as JSON), so a large one (``size`` numbers, about) is never
+    held whole: each input is made (normalized, encoded) and serialized in a worker thread when the client is
+    ready for it, and streamed. orjson holds the GIL while it runs, so one call per input also lets the event
+    loop (other requests, the engine's results) run between them. The memory a response holds is then its
+    float32 outputs, falling as they are sent, plus one input's JSON, instead of the outputs, their normalized
+    copies and the whole body (and its pieces while they were joined): ~4x the float32 outputs for floats.
+    The status and headers go first; orjson cannot fail on these arrays, so the 200 is not a promise broken."""
+    if size < OFF_LOOP_FLOATS:
+        return Response(orjson.dumps([row(i) for i in range(n)], option=NUMPY), media_type="application/json",
+                        headers=headers)
+
+    async def body():
+        yield b"["
+        for i in range(n):
+            chunk = await asyncio.to_thread(_dump_row, row, i)
+            yield chunk if i == 0 else b"," + chunk
+        yield b"]"
+    return StreamingResponse(body(), media_type="application/json", headers=headers)
+
+
+def _dump_row(row, i: int) -> bytes:
+    return orjson.dumps(row(i), option=NUMPY)
+
+
+def _size(arrays: list) -> int:
+    return sum(a.size for a in arrays)
 
 
 def _floats(rows: list) -> int:
