@@ -170,8 +170,14 @@ def round_up(n: int, step: int = 256 * MIB) -> int:
 
 
 def quantity(n: int) -> str:
-    """A Kubernetes quantity in Mi (exact, readable)."""
-    return f"{-(-n // MIB)}Mi"
+    """A Kubernetes quantity of at least ``n`` bytes, in the API server's canonical form (the largest binary
+    suffix that keeps it whole: 2Gi, not 2048Mi, which a stored object would show instead, so the status and the
+    pod would disagree)."""
+    mib = -(-n // MIB)
+    for suffix, size in (("Ti", 1 << 20), ("Gi", 1 << 10)):
+        if mib % size == 0:
+            return f"{mib // size}{suffix}"
+    return f"{mib}Mi"
 
 
 def parse_quantity(q: str) -> int:

@@ -209,3 +209,12 @@ def test_colbert_outputs_count_the_responses_a_replica_holds():
     gpu = copy.deepcopy(MIG)
     gpu["model"]["outputs"] = ["dense", "colbert"]
     assert R.sizing_of(parsed(gpu)).replica.responses == 0
+
+
+def test_quantities_are_written_as_the_api_server_stores_them():
+    """A limit of 2048Mi comes back from the API server as 2Gi: the status (and a diff against the live pod)
+    would disagree with the pod. Whole Gi and Ti are written that way; the rest in Mi, rounded up."""
+    assert sizing.quantity(2 * 2 ** 30) == "2Gi" and sizing.quantity(1792 * 2 ** 20) == "1792Mi"
+    assert sizing.quantity(3 * 2 ** 40) == "3Ti" and sizing.quantity(2 ** 30 + 1) == "1025Mi"
+    for n in (1, 2 ** 20, 1536 * 2 ** 20, 2 ** 31, 10 ** 9):
+        assert n <= sizing.parse_quantity(sizing.quantity(n)) < n + 2 ** 20
