@@ -9,7 +9,8 @@ from pathlib import Path
 
 from localcluster.models import minilm_dir, minilm_onnx_dir
 
-CACHE = Path(os.environ.get("EMBEDOPS_BENCH_CACHE", Path.home() / ".cache" / "embedops"))
+CACHE = Path(os.environ.get("EMBEDOPS_BENCH_CACHE") or os.environ.get("EMBEDOPS_CACHE")
+             or Path.home() / ".cache" / "embedops")
 
 
 def minilm_onnx_file() -> Path:

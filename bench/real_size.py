@@ -2,7 +2,7 @@
 
 Both are XLM-RoBERTa-large encoders: 24 layers, hidden 1024, 16 heads, intermediate 4096, vocabulary 250002,
 8194 positions (8192 tokens), 566.7M parameters (+1M for the reranker's classifier). Built once per machine
-into ``~/.cache/embedops/real-size`` (``$EMBEDOPS_BENCH_CACHE``), ~2.3 GB each, in the layout the Hub
+into ``~/.cache/embedops/real-size`` (``$EMBEDOPS_BENCH_CACHE``, else ``$EMBEDOPS_CACHE``), ~2.3 GB each, in the layout the Hub
 repositories ship:
 
 * ``bge_m3()``: XLMRobertaModel safetensors, sentence-transformers files (CLS pooling, Normalize),
@@ -24,7 +24,8 @@ import os
 import shutil
 from pathlib import Path
 
-CACHE = Path(os.environ.get("EMBEDOPS_BENCH_CACHE", Path.home() / ".cache" / "embedops")) / "real-size"
+CACHE = Path(os.environ.get("EMBEDOPS_BENCH_CACHE") or os.environ.get("EMBEDOPS_CACHE")
+             or Path.home() / ".cache" / "embedops") / "real-size"
 GEOMETRY = dict(vocab_size=250002, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                 intermediate_size=4096, max_position_embeddings=8194, type_vocab_size=1, pad_token_id=1,
                 bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5)

@@ -340,7 +340,8 @@ def kill_container(container_id: str) -> list[int]:
     return pids
 
 
-REAL_SIZE_CACHE = "/var/lib/embedops-onnx-cache-e2e"  # hostPath of the prepared-graph claim (kept between runs)
+# hostPath of the prepared-graph claim, beside the models folder; each test run uses a sub-path and removes it
+REAL_SIZE_CACHE = DEFAULT_MODELS_HOSTPATH.rstrip("/") + "-onnx-cache"
 
 
 def real_size_models(root: Path) -> Path:
@@ -468,6 +469,7 @@ def test_bge_m3_at_real_size_prepared_once_and_served_under_the_operators_defaul
     print(f"second replica Ready in {time.monotonic() - t1:.0f} s; its prepare step: {again}")
     assert again["seconds"] < report["seconds"] / 2, (again, report)
     svc.co.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name, {"spec": {"replicas": 0}})
+    shutil.rmtree(Path(REAL_SIZE_CACHE) / ns, ignore_errors=True)  # 0.5 GB of prepared graph a run
 
 
 def test_operator_as_a_pod_from_the_helm_chart(kube, api, real):
