@@ -185,7 +185,7 @@ async def _json(rows: list, headers: dict) -> Response:
 
 async def _json_rows(n: int, row, size: int, headers: dict) -> Response:
     """A JSON array of ``row(i)`` for i < n. ColBERT multiplies a response by its token count (64 inputs x 512
-    tokens x 1024 floats: 134 MB of float32, ~440 MB as JSON), so a large one (``size`` numbers, about) is never
+    tokens x 1024 floats: 134 MB of float32, ~410 MB as JSON), so a large one (``size`` numbers, about) is never
     held whole: each input is made (normalized, encoded) and serialized in a worker thread when the client is
     ready for it, and streamed. orjson holds the GIL while it runs, so one call per input also lets the event
     loop (other requests, the engine's results) run between them. The memory a response holds is then its
