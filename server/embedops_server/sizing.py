@@ -112,15 +112,15 @@ def forward_bytes(g: Geometry, rows: int, length: int, bytes_per_value: int = 4,
 
 def estimate(g: Geometry, *, dtype: str, device: str = "cpu", max_input_length: int | None = None,
              forward_tokens: int = 1024, parallel_forwards: int = 1, tokenizers: int = 3,
-             colbert_request_tokens: int = 0, colbert_dim: int | None = None) -> Estimate:
+             colbert_request_tokens: int = 0) -> Estimate:
     """Peak resident memory of one serving replica: host memory on CPU, GPU memory on CUDA.
 
     ``forward_tokens``: padded tokens per forward (CPU: the ONNX Runtime backend's 1024, or 256 per forward
     with two side by side; CUDA: up to max-batch-tokens, which the warm-up runs in full). ``tokenizers``: Rust
     tokenizer instances (workers + the event loop's + the synchronous one). ``colbert_request_tokens``: with
     ColBERT outputs served, the most tokens one request may carry (max client batch size x longest input);
-    its vectors (``colbert_dim`` floats each, default the hidden size) are host memory, so they count on CPU
-    only: on a GPU they are not in the slice."""
+    its vectors (hidden-size floats each, bge-m3's ColBERT head) are host memory, so they count on CPU only:
+    on a GPU they are not in the slice."""
     length = min(max_input_length or g.max_positions, g.max_positions)
     cuda = device.startswith("cuda")
     value_bytes = 2 if cuda and dtype in ("float16", "bfloat16") else 4  # int8 dynamic: float32 activations
@@ -140,7 +140,7 @@ def estimate(g: Geometry, *, dtype: str, device: str = "cpu", max_input_length: 
     # On CUDA the estimate is the GPU's memory (what a MIG slice must hold): the tokenizers and Python live in
     # the pod's host memory, not on the device
     tok = 0 if cuda else tokenizers * (TOKENIZER_BASE + TOKENIZER_BYTES_PER_PIECE * g.vocab)
-    held = 0 if cuda else int(RESPONSES_IN_FLIGHT * colbert_request_tokens * (colbert_dim or g.hidden) * 4
+    held = 0 if cuda else int(RESPONSES_IN_FLIGHT * colbert_request_tokens * g.hidden * 4
                               * RESPONSE_BYTES_PER_OUTPUT_BYTE)
     return Estimate(CUDA_RUNTIME if cuda else CPU_RUNTIME, tok, weights, act, detail, held)
 

@@ -134,14 +134,8 @@ async def embed_sparse(request: Request, body: EmbedAllRequest):
              summary="ColBERT multi-vectors (bge-m3 colbert head): per input one vector per token after the first")
 async def embed_colbert(request: Request, body: ColbertRequest):
     st, svc, results, req, t0 = await _run(request, body, [COLBERT])
-    raw = [r[COLBERT] for r in results]
-    del results
-
-    def row(i: int):
-        v = scoring.truncate_normalize(raw[i], body.dimensions, body.normalize)
-        raw[i] = None  # sent: its float32 rows are not needed any more
-        return _b64(v) if body.encoding_format == "base64" else v
-    return await _json_rows(len(raw), row, _size(raw), st.headers(req, t0))
+    vectors = _ColbertRows([r[COLBERT] for r in results], body)
+    return await _json_rows(len(results), vectors, vectors.floats, st.headers(req, t0))
 
 
 @router.post("/embed_hybrid", tags=["bge-m3"], **route_doc(HYBRID_OK, []),
@@ -159,18 +153,26 @@ async def embed_hybrid(request: Request, body: HybridRequest):
         cols[DENSE] = [_b64(v) for v in d] if body.encoding_format == "base64" else list(d)
     if LEXICAL in wanted:
         cols[LEXICAL] = lexical([r[LEXICAL] for r in results])
-    raw = [r[COLBERT] for r in results] if COLBERT in wanted else []
-    n = len(results)
-    del results
+    vectors = _ColbertRows([r[COLBERT] for r in results] if COLBERT in wanted else [], body)
 
     def row(i: int) -> dict:
-        out = {k: cols[k][i] for k in wanted if k != COLBERT}
-        if COLBERT in wanted:
-            v = scoring.truncate_normalize(raw[i], body.dimensions, body.normalize)
-            raw[i] = None  # sent: its float32 rows are not needed any more
-            out[COLBERT] = _b64(v) if body.encoding_format == "base64" else v
-        return {k: out[k] for k in wanted}
-    return await _json_rows(n, row, _size(raw) + sum(len(c) for c in cols.values()), st.headers(req, t0))
+        return {k: vectors(i) if k == COLBERT else cols[k][i] for k in wanted}
+    return await _json_rows(len(results), row, vectors.floats + sum(len(c) for c in cols.values()),
+                            st.headers(req, t0))
+
+
+class _ColbertRows:
+    """One input's ColBERT vectors as the response carries them (truncated, normalized, base64 when asked), made
+    when that input is sent; its float32 rows are dropped then, so a streamed answer's memory falls as it goes."""
+
+    def __init__(self, raw: list, body):
+        self.raw, self.body = raw, body
+        self.floats = _floats(raw)
+
+    def __call__(self, i: int):
+        v = scoring.truncate_normalize(self.raw[i], self.body.dimensions, self.body.normalize)
+        self.raw[i] = None
+        return _b64(v) if self.body.encoding_format == "base64" else v
 
 
 OFF_LOOP_FLOATS = 1 << 16  # ~30 ms of orjson: above this a body is serialized in a worker thread and streamed
@@ -178,9 +180,7 @@ OFF_LOOP_FLOATS = 1 << 16  # ~30 ms of orjson: above this a body is serialized i
 
 async def _json(rows: list, headers: dict) -> Response:
     """orjson, as routes_tei._json, for bodies built whole (/embed_sparse's lexical weights)."""
-    if _floats(rows) < OFF_LOOP_FLOATS:
-        return Response(orjson.dumps(rows, option=NUMPY), media_type="application/json", headers=headers)
-    return await _json_rows(len(rows), rows.__getitem__, OFF_LOOP_FLOATS, headers)
+    return await _json_rows(len(rows), rows.__getitem__, _floats(rows), headers)
 
 
 async def _json_rows(n: int, row, size: int, headers: dict) -> Response:
@@ -207,10 +207,6 @@ async def _json_rows(n: int, row, size: int, headers: dict) -> Response:
 
 def _dump_row(row, i: int) -> bytes:
     return orjson.dumps(row(i), option=NUMPY)
-
-
-def _size(arrays: list) -> int:
-    return sum(a.size for a in arrays)
 
 
 def _floats(rows: list) -> int:
