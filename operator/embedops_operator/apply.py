@@ -300,9 +300,9 @@ class Kube:
                 raw.release_conn()
         return watch_stream
 
-    def apply(self, obj: dict, manager: str = render.MANAGER, dry_run: bool = False) -> dict:
+    def apply(self, obj: dict, manager: str = render.MANAGER, dry_run: bool = False, force: bool = True) -> dict:
         meta = obj["metadata"]
-        query = [("fieldManager", manager), ("force", "true")]
+        query = [("fieldManager", manager), ("force", "true" if force else "false")]
         if dry_run:
             query.append(("dryRun", "All"))
         else:
@@ -390,17 +390,59 @@ def _read_verb(path: str) -> str:
     return "GET" if len(rest) >= 2 else "LIST"
 
 
-def needs_write(kube: Kube, desired: dict, manager: str = render.MANAGER) -> bool:
-    meta = desired["metadata"]
-    live = kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+def needs_write(kube: Kube, desired: dict, manager: str = render.MANAGER, live: dict | None = None) -> bool:
+    if live is None:
+        meta = desired["metadata"]
+        live = kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
     if live is None:
         return True
-    want_hash = (meta.get("annotations") or {}).get(render.ANNOTATION_HASH)
+    want_hash = (desired["metadata"].get("annotations") or {}).get(render.ANNOTATION_HASH)
     live_hash = ((live.get("metadata") or {}).get("annotations") or {}).get(render.ANNOTATION_HASH)
     if want_hash == live_hash and is_subset(desired, live):
         return False
     preview = kube.apply(desired, manager=manager, dry_run=True)
     return comparable(preview) != comparable(live)
+
+
+# The field manager that holds a Deployment's `spec.replicas` between the operator letting go of it (autoscaling
+# turned on) and the autoscaler (HPA or KEDA's HPA) first writing it.
+HANDOVER_MANAGER = "embedops-replicas-handover"
+
+
+def owns_replicas(live: dict, manager: str) -> bool:
+    """Whether ``manager`` owns ``spec.replicas`` of a live object by server-side apply."""
+    for entry in (live.get("metadata") or {}).get("managedFields") or []:
+        if entry.get("manager") == manager and entry.get("operation") == "Apply":
+            if "f:replicas" in ((entry.get("fieldsV1") or {}).get("f:spec") or {}):
+                return True
+    return False
+
+
+def hand_over_replicas(kube: Kube, desired: dict, live: dict | None) -> bool:
+    """Hand a Deployment's ``replicas`` to its autoscaler without the dip to 1.
+
+    When autoscaling is turned on, the rendered Deployment stops carrying ``replicas``. Had the operator's
+    manager been the field's only owner, that apply would remove the field and the API server would default
+    it to 1: two of three running pods killed until the autoscaler acts (on GPUs, each back only after a model
+    load). Kubernetes' documented way out (Server-Side Apply, "Transferring ownership"): first apply the live
+    value under a temporary manager, then drop the field. The temporary manager keeps the value until the
+    autoscaler first writes a different one, which takes the field from it; a conflict means the autoscaler
+    already owns it, and nothing is needed. True when the hand-over was written.
+    """
+    if (desired["kind"] != "Deployment" or live is None or "replicas" in desired.get("spec", {})
+            or not owns_replicas(live, render.MANAGER)):
+        return False
+    meta = desired["metadata"]
+    patch = {"apiVersion": desired["apiVersion"], "kind": desired["kind"],
+             "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+             "spec": {"replicas": (live.get("spec") or {}).get("replicas", 1)}}
+    try:
+        kube.apply(patch, manager=HANDOVER_MANAGER, force=False)
+    except ApiException as exc:
+        if exc.status == 409:
+            return False
+        raise
+    return True
 
 
 def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> list[str]:
@@ -410,13 +452,17 @@ def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> list[
         # The shared LiteLLM ConfigMap gets one field manager per service, so services never remove
         # each other's keys.
         manager = litellm_manager(service_name) if obj["kind"] == "ConfigMap" else render.MANAGER
-        if needs_write(kube, obj, manager=manager):
+        meta = obj["metadata"]
+        live = kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        if hand_over_replicas(kube, obj, live):
+            written.append(f"{obj['kind']}/{meta['name']} (replicas handed to the autoscaler)")
+        if live is None or needs_write(kube, obj, manager=manager, live=live):
             try:
                 kube.apply(obj, manager=manager)
             except ApiException as exc:
                 exc.failed_object = obj  # the reconciler names what failed (a CRD removed since discovery)
                 raise
-            written.append(f"{obj['kind']}/{obj['metadata']['name']}")
+            written.append(f"{obj['kind']}/{meta['name']}")
     return written
 
 

@@ -60,8 +60,8 @@ class CachedKube:
         return sorted(out, key=lambda o: watchcache.key_of(o))
 
     # ------------------------------------------------------------------ writes (through to the cache)
-    def apply(self, obj: dict, manager: str | None = None, dry_run: bool = False) -> dict:
-        kwargs = {"dry_run": dry_run} | ({"manager": manager} if manager else {})
+    def apply(self, obj: dict, manager: str | None = None, dry_run: bool = False, force: bool = True) -> dict:
+        kwargs = {"dry_run": dry_run} | ({"manager": manager} if manager else {}) | ({} if force else {"force": False})
         out = self.kube.apply(obj, **kwargs)
         if not dry_run and out:
             self._put(out)

@@ -57,7 +57,21 @@ def _keep_all(obj: dict) -> dict:
     return obj  # ConfigMaps: LiteLLM entry owners are read from managedFields
 
 
-TRANSFORMS = {"Pod": _pod_view, "ConfigMap": _keep_all}
+def _deployment_view(obj: dict) -> dict:
+    """A Deployment without its managedFields, except which managers own `spec.replicas` (read when the
+    replicas are handed to an autoscaler: apply.hand_over_replicas)."""
+    meta = obj.get("metadata") or {}
+    owners = [{"manager": e.get("manager"), "operation": e.get("operation"),
+               "fieldsV1": {"f:spec": {"f:replicas": {}}}}
+              for e in meta.get("managedFields") or []
+              if "f:replicas" in ((e.get("fieldsV1") or {}).get("f:spec") or {})]
+    obj["metadata"] = {k: v for k, v in meta.items() if k != "managedFields"}
+    if owners:
+        obj["metadata"]["managedFields"] = owners
+    return obj
+
+
+TRANSFORMS = {"Pod": _pod_view, "ConfigMap": _keep_all, "Deployment": _deployment_view}
 # the label a service's children are looked up by (its prune and Pod selectors name it), so a reconcile reads
 # its own few objects, not all N of a kind; Pods are selected by the Deployment's selector labels
 INDEX_LABELS = {spec.KIND: None, "ConfigMap": None, "Pod": render.LABEL_INSTANCE}

@@ -305,6 +305,67 @@ def test_kubectl_scale(ctx, operator):
     wait_for("1/1", lambda: ctx.get_es("minilm")["status"]["replicasSummary"] == "1/1", 60)
 
 
+class ReplicasWatch:
+    """Every value a Deployment's spec.replicas takes, from a watch (each write is an event: nothing between two
+    samples is missed)."""
+
+    def __init__(self, ctx, name: str):
+        from kubernetes import watch
+
+        self.seen: list[int] = []
+        self._watch = watch.Watch()
+        self._thread = threading.Thread(target=self._run, args=(ctx, name), daemon=True)
+        self._thread.start()
+
+    def _run(self, ctx, name):
+        for ev in self._watch.stream(ctx.apps.list_namespaced_deployment, NS, field_selector=f"metadata.name={name}",
+                                     timeout_seconds=300):
+            self.seen.append(ev["object"].spec.replicas)
+
+    def stop(self) -> list[int]:
+        self._watch.stop()
+        self._thread.join(10)
+        return self.seen
+
+
+def test_turning_autoscaling_on_and_off_never_drops_running_replicas(ctx, operator):
+    """A running service with 3 replicas switched to autoscaling (min 3) and back: the operator stops sending
+    `replicas`, which the API server would default to 1 were the operator its only owner. It hands the live
+    count to a temporary field manager first (apply.hand_over_replicas). Here no autoscaler controller runs
+    (only KEDA's CRD), so the count must hold with nobody else writing it."""
+    from embedops_operator.apply import HANDOVER_MANAGER
+
+    fixed = {**CPU_SPEC, "replicas": 3}
+    ctx.apply_es("minilm", fixed)
+    wait_for("3/3", lambda: ctx.get_es("minilm")["status"].get("replicasSummary") == "3/3", 120)
+    watch = ReplicasWatch(ctx, "minilm")
+    try:
+        ctx.apply_es("minilm", {**CPU_SPEC, "autoscaling": {"minReplicas": 3, "maxReplicas": 6}})
+        es = ctx.wait_condition("minilm", "AutoscalingReady", "True", timeout=60)
+        by = {c["type"]: c for c in es["status"]["conditions"]}["AutoscalingReady"]["reason"]
+        time.sleep(7)  # three resyncs
+        d = ctx.deployment("minilm")
+        owners = [m.manager for m in d.metadata.managed_fields if '"f:replicas"' in json.dumps(m.fields_v1)]
+        # the operator let go; the hand-over manager holds the count until an autoscaler writes another one (the
+        # HPA controller, when by == "HPA", writes the scale subresource with the same count: co-owned)
+        assert d.spec.replicas == 3 and HANDOVER_MANAGER in owners and "embedops" not in owners, (by, owners)
+        ctx.apply_es("minilm", fixed)
+
+        def autoscaler_pruned():
+            if by == "KEDA":
+                return not ctx.custom.list_namespaced_custom_object("keda.sh", "v1alpha1", NS, "scaledobjects")[
+                    "items"]
+            return not ctx.autoscaling.list_namespaced_horizontal_pod_autoscaler(NS).items
+        wait_for(f"{by} autoscaler pruned", autoscaler_pruned, 60)
+        ctx.wait_condition("minilm", "Ready", "True", timeout=60)
+        time.sleep(4)
+    finally:
+        seen = watch.stop()
+    assert seen and min(seen) == 3, f"spec.replicas took the values {seen}"
+    ctx.apply_es("minilm", {**CPU_SPEC, "replicas": 1})
+    wait_for("1/1", lambda: ctx.get_es("minilm")["status"].get("replicasSummary") == "1/1", 90)
+
+
 def _resource_versions(ctx, name: str) -> dict[str, str]:
     out = {"EmbeddingService": ctx.get_es(name)["metadata"]["resourceVersion"],
            "Deployment": ctx.deployment(name).metadata.resource_version,

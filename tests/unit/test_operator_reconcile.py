@@ -352,3 +352,64 @@ def test_no_list_permission_on_configmaps_does_not_fail_the_reconcile(kube):
     status = kube.get("embedops.dev/v1alpha1", "EmbeddingService", "ml", "a")["status"]
     assert "litellm" in [k[3] for k in kube.objects if k[1] == "ConfigMap"]
     assert not [c for c in status["conditions"] if c.get("reason") == "ApplyFailed"], status["conditions"]
+
+
+def _deployment(replicas: int, owners: list[str]) -> dict:
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "svc", "namespace": "ml", "managedFields": [
+                {"manager": m, "operation": "Apply" if not m.startswith("kube-") else "Update",
+                 "fieldsV1": {"f:spec": {"f:replicas": {}, "f:template": {}}}} for m in owners]},
+            "spec": {"replicas": replicas}}
+
+
+class RecordingKube:
+    def __init__(self, conflict: bool = False):
+        self.applied: list[tuple[dict, str, bool]] = []
+        self.conflict = conflict
+
+    def apply(self, obj, manager=R.MANAGER, dry_run=False, force=True):
+        from kubernetes.client.rest import ApiException
+        if self.conflict and not force:
+            raise ApiException(status=409, reason="Conflict")
+        self.applied.append((obj, manager, force))
+        return obj
+
+
+def test_replicas_are_handed_over_before_the_operator_lets_go_of_them():
+    """Autoscaling turned on for a running Deployment whose replicas the operator owns: the live count is applied
+    under a temporary manager (not forced) before the rendered Deployment, which no longer carries replicas,
+    is applied; otherwise the API server defaults the field to 1 and kills running pods."""
+    desired = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "svc", "namespace": "ml"},
+               "spec": {"template": {}}}
+    kube = RecordingKube()
+    assert A.hand_over_replicas(kube, desired, _deployment(3, [R.MANAGER]))
+    (patch, manager, force), = kube.applied
+    assert patch["spec"] == {"replicas": 3} and manager == A.HANDOVER_MANAGER and force is False
+    assert patch["metadata"] == {"name": "svc", "namespace": "ml"}
+
+
+@pytest.mark.parametrize("desired_spec,live,conflict", [
+    ({"replicas": 3, "template": {}}, _deployment(3, [R.MANAGER]), False),  # fixed replicas: the operator keeps them
+    ({"template": {}}, None, False),  # created now: nothing to hand over
+    ({"template": {}}, _deployment(4, ["kube-controller-manager"]), False),  # the autoscaler owns them already
+    ({"template": {}}, _deployment(4, [A.HANDOVER_MANAGER]), False),  # handed over earlier
+    ({"template": {}}, _deployment(4, [R.MANAGER, "kube-controller-manager"]), True),  # conflict: autoscaler wrote
+])
+def test_no_hand_over_when_none_is_needed(desired_spec, live, conflict):
+    desired = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "svc", "namespace": "ml"},
+               "spec": desired_spec}
+    kube = RecordingKube(conflict=conflict)
+    assert not A.hand_over_replicas(kube, desired, live)
+    assert kube.applied == []
+
+
+def test_the_deployment_cache_keeps_only_the_replicas_owners():
+    from embedops_operator.controller import TRANSFORMS
+
+    live = _deployment(3, [R.MANAGER])
+    live["metadata"]["managedFields"].append({"manager": "kubectl", "operation": "Update",
+                                              "fieldsV1": {"f:metadata": {"f:labels": {}}}})
+    view = TRANSFORMS["Deployment"](live)
+    assert view["metadata"]["managedFields"] == [
+        {"manager": R.MANAGER, "operation": "Apply", "fieldsV1": {"f:spec": {"f:replicas": {}}}}]
+    assert A.owns_replicas(view, R.MANAGER) and not A.owns_replicas(view, "kubectl")
