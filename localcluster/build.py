@@ -30,7 +30,7 @@ import zipfile
 from pathlib import Path
 
 from .components import (COMPONENTS, KUBERNETES_VERSION, RECIPES, SETS, Component, GoInstall, GoMain,
-                         GoModuleBuild, ModuleFiles, NpmArchiveMember, cache_dir, expand)
+                         GoModuleBuild, GoPackages, ModuleFiles, NpmArchiveMember, cache_dir, expand)
 
 PREFIX = "cluster-binaries:"
 
@@ -83,10 +83,19 @@ class Builder:
                  cwd=RECIPES / r.folder, env={"GOFLAGS": "-mod=mod", **({} if r.cgo else {"CGO_ENABLED": "0"})})
         self.check_and_place(c, tmp, dest / r.binary)
 
+    def go_packages(self, c: Component, r: GoPackages, dest: Path) -> None:
+        ldflags = "-s -w" + (f" -X {r.version_var}={c.version.removeprefix('v')}" if r.version_var else "")
+        for package, binary in r.binaries:
+            tmp = dest / f"{binary}.tmp"
+            self.run(c, ["go", "build", "-trimpath", f"-ldflags={ldflags}", "-o", str(tmp), package],
+                     cwd=RECIPES / r.folder, env={"GOFLAGS": "-mod=mod", "CGO_ENABLED": "0"})
+            self.check_and_place(c, tmp, dest / binary)
+
     def go_install(self, c: Component, r: GoInstall, dest: Path) -> None:
+        ldflags = "-s -w" + (f" -X {r.version_var}={r.stamped_version}" if r.version_var else "")
         with tempfile.TemporaryDirectory(dir=self.tmp) as gobin:
-            self.run(c, ["go", "install", "-trimpath", "-ldflags=-s -w", f"{r.package}@{c.version}"],
-                     env={"GOFLAGS": "", "GOBIN": gobin})
+            self.run(c, ["go", "install", "-trimpath", f"-ldflags={ldflags}", f"{r.package}@{c.version}"],
+                     env={"GOFLAGS": "", "GOBIN": gobin, **({} if r.cgo else {"CGO_ENABLED": "0"})})
             self.check_and_place(c, Path(gobin) / r.binary, dest / r.binary)
 
     def go_module_build(self, c: Component, r: GoModuleBuild, dest: Path) -> None:
@@ -147,7 +156,7 @@ class Builder:
               file=self.out, flush=True)
         c.dir.mkdir(parents=True, exist_ok=True)
         for r in c.recipes:
-            {GoMain: self.go_main, GoInstall: self.go_install, GoModuleBuild: self.go_module_build,
+            {GoMain: self.go_main, GoPackages: self.go_packages, GoInstall: self.go_install, GoModuleBuild: self.go_module_build,
              NpmArchiveMember: self.npm_archive_member, ModuleFiles: self.module_files}[type(r)](c, r, c.dir)
         for alias in c.aliases:  # a multi-call binary picks its component by the name it is invoked as
             link = c.dir / alias

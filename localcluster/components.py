@@ -39,10 +39,23 @@ class GoMain:
 
 
 @dataclass(frozen=True)
+class GoPackages:
+    """``go build <package>`` of upstream main packages inside ``recipes/<folder>``, a wrapper module whose
+    go.mod pins the upstream module (its own replace directives make ``go install pkg@v`` refuse it).
+    ``binaries`` maps each package to the file it is built into."""
+    folder: str
+    binaries: tuple[tuple[str, str], ...]  # (package, binary)
+    version_var: str = ""  # a `-X` variable set to the component's version (prometheus/common's version.Version)
+
+
+@dataclass(frozen=True)
 class GoInstall:
     """``go install <package>@<version>`` (a module without replace directives)."""
     package: str
     binary: str
+    version_var: str = ""  # a `-X` variable stamped with ``stamped_version`` (the binaries print it)
+    stamped_version: str = ""
+    cgo: bool = True  # False: a static binary, for an image (the Debian base's glibc may be older)
 
 
 @dataclass(frozen=True)
@@ -72,7 +85,7 @@ class ModuleFiles:
     into: str = ""  # subfolder of the component's folder
 
 
-Recipe = GoMain | GoInstall | GoModuleBuild | NpmArchiveMember | ModuleFiles
+Recipe = GoMain | GoPackages | GoInstall | GoModuleBuild | NpmArchiveMember | ModuleFiles
 
 
 @dataclass(frozen=True)
@@ -91,11 +104,12 @@ class Component:
         """A component built from a recipe folder of ours is keyed by that folder's main.go and go.mod too, so
         changing the recipe (the k8s multi-call binary's list of components, a plugin list) builds a new
         binary instead of reusing an old one."""
-        folders = [r.folder for r in self.recipes if isinstance(r, GoMain)]
+        folders = [r.folder for r in self.recipes if isinstance(r, (GoMain, GoPackages))]
         if not folders:
             return ""
         d = RECIPES / folders[0]
-        return hashlib.sha256((d / "main.go").read_bytes() + (d / "go.mod").read_bytes()).hexdigest()[:8]
+        main = d / "main.go" if (d / "main.go").exists() else d / "tools.go"
+        return hashlib.sha256(main.read_bytes() + (d / "go.mod").read_bytes()).hexdigest()[:8]
 
     @property
     def dir(self) -> Path:
@@ -109,6 +123,14 @@ class Component:
         """Every provided file is there (the builder moves each into place only once it is whole)."""
         return all((self.dir / f).exists() for f in (*self.provides, *self.aliases))
 
+
+PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
+PROMETHEUS_MODULE_VERSION = "v0.316.0"  # Prometheus 3.x publishes its Go module as v0.3MM.P for 3.MM.P
+PROMETHEUS_VERSION = "3.16.0"
+PROMETHEUS_VERSION_VAR = "github.com/prometheus/common/version.Version"
+MONITORING_CRDS = tuple(f"monitoring.coreos.com_{p}.yaml" for p in (
+    "servicemonitors", "podmonitors", "prometheusrules", "probes", "scrapeconfigs", "prometheuses",
+    "prometheusagents", "alertmanagers", "alertmanagerconfigs", "thanosrulers"))
 
 _K8S_FILES = ("k8s",)
 COMPONENTS: tuple[Component, ...] = (
@@ -157,12 +179,31 @@ COMPONENTS: tuple[Component, ...] = (
         (GoModuleBuild("github.com/fluxcd/kustomize-controller", "kustomize-controller",
                        drop_replace="github.com/fluxcd/kustomize-controller/api", crds="config/crd/bases"),),
         ("kustomize-controller",), about="Flux: applies examples/ and health-checks them with kstatus"),
+    # Monitoring's real controllers (issue 18), run by localcluster/monitoring.py: Prometheus Operator as a
+    # process beside the control plane, the Prometheus it manages as a pod on the real node
+    Component(
+        "prometheus-operator", PROMETHEUS_OPERATOR_VERSION,
+        (GoPackages("prometheus-operator", (
+            ("github.com/prometheus-operator/prometheus-operator/cmd/operator", "prometheus-operator"),
+            ("github.com/prometheus-operator/prometheus-operator/cmd/prometheus-config-reloader",
+             "prometheus-config-reloader")), version_var=PROMETHEUS_VERSION_VAR),),
+        ("prometheus-operator", "prometheus-config-reloader"), version_check=("--version",),
+        about="Prometheus Operator and its config reloader: read ServiceMonitors, run Prometheus"),
+    Component(
+        "prometheus", PROMETHEUS_MODULE_VERSION,
+        (GoInstall("github.com/prometheus/prometheus/cmd/prometheus", "prometheus",
+                   version_var=PROMETHEUS_VERSION_VAR, stamped_version=PROMETHEUS_VERSION, cgo=False),
+         GoInstall("github.com/prometheus/prometheus/cmd/promtool", "promtool",
+                   version_var=PROMETHEUS_VERSION_VAR, stamped_version=PROMETHEUS_VERSION, cgo=False)),
+        ("prometheus", "promtool"),
+        about=f"Prometheus {PROMETHEUS_VERSION} (no web UI assets: its HTTP API only) and promtool"),
     # Third-party CRDs, the YAML files the projects publish in their Go modules
     Component(
-        "prometheus-operator", "v0.85.0",
+        "prometheus-operator-crds", PROMETHEUS_OPERATOR_VERSION,
         (ModuleFiles("github.com/prometheus-operator/prometheus-operator",
-                     ("example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml",)),),
-        ("monitoring.coreos.com_servicemonitors.yaml",), kind="crds", about="ServiceMonitor CRD"),
+                     tuple(f"example/prometheus-operator-crd/{f}" for f in MONITORING_CRDS)),),
+        MONITORING_CRDS, kind="crds",
+        about="monitoring.coreos.com CRDs (ServiceMonitor, PrometheusRule, Prometheus, ...)"),
     Component(
         "gateway-api", "v1.6.3",
         (ModuleFiles("sigs.k8s.io/gateway-api", (
@@ -179,14 +220,22 @@ COMPONENTS: tuple[Component, ...] = (
 BY_NAME = {c.name: c for c in COMPONENTS}
 
 # Named sets. The demo builds only what it runs (no Flux, no kstatus CLI, no helm); the tests build all.
-CRDS = ("prometheus-operator", "gateway-api", "keda")
+CRDS = ("prometheus-operator-crds", "gateway-api", "keda")
 CONTROL_PLANE = ("k8s", "kwok", "etcd")
 DEMO = (*CONTROL_PLANE, "coredns", *CRDS)
 TESTS = tuple(c.name for c in COMPONENTS)
-SETS = {"demo": DEMO, "tests": TESTS, "control-plane": CONTROL_PLANE, "crds": CRDS}
+MONITORING = ("prometheus-operator", "prometheus", "prometheus-operator-crds")
+SETS = {"demo": DEMO, "tests": TESTS, "control-plane": CONTROL_PLANE, "crds": CRDS, "monitoring": MONITORING}
 
 # The upstream CRDs by the short name the tests and the demo install them under
-CRD_SETS = {"servicemonitor": "prometheus-operator", "httproute": "gateway-api", "scaledobject": "keda"}
+# (component, its files; empty: all of them). "monitoring" is what Prometheus Operator itself needs to run.
+CRD_SETS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "servicemonitor": ("prometheus-operator-crds", ("monitoring.coreos.com_servicemonitors.yaml",)),
+    "prometheusrule": ("prometheus-operator-crds", ("monitoring.coreos.com_prometheusrules.yaml",)),
+    "monitoring": ("prometheus-operator-crds", ()),
+    "httproute": ("gateway-api", ()),
+    "scaledobject": ("keda", ()),
+}
 
 
 def component(name: str) -> Component:
@@ -202,9 +251,9 @@ def provided(name: str, file: str | None = None) -> Path:
 
 
 def crd_files() -> dict[str, list[Path]]:
-    """Upstream CRD files by short name (servicemonitor, httproute, scaledobject)."""
-    return {short: [component(name).path(f) for f in component(name).provides]
-            for short, name in CRD_SETS.items()}
+    """Upstream CRD files by short name (servicemonitor, prometheusrule, monitoring, httproute, scaledobject)."""
+    return {short: [component(name).path(f) for f in (files or component(name).provides)]
+            for short, (name, files) in CRD_SETS.items()}
 
 
 def expand(names: list[str] | tuple[str, ...]) -> list[Component]:

@@ -326,13 +326,17 @@ def _build_one(name: str, wheels: Path, base: str) -> Image:
 
 
 def _build_locked(name: str, ref: str, dockerfile: str, args: dict[str, str], archive: Path,
-                  wheels: Path) -> Image:
+                  wheels: Path | None, make_context=None) -> Image:
     built = False
     if not _image_id(ref):
         t0 = time.time()
         ctx = Path(tempfile.mkdtemp(prefix=f"ctx-{name}-", dir=cache_root()))
         try:
-            _make_context(ctx, wheels)
+            if make_context is not None:
+                make_context(ctx)
+            else:
+                assert wheels is not None
+                _make_context(ctx, wheels)
             # no layer cache: a new tag means new sources, and cached stages would pile up as <none> images
             cmd = ["podman", "build", "--network=none", "--pull=never", "--layers=false", "--rm",
                    "-f", str(ctx / dockerfile), "-t", ref]
@@ -362,11 +366,54 @@ def _build_locked(name: str, ref: str, dockerfile: str, args: dict[str, str], ar
     return Image(name, ref, archive, _image_size(ref), archive.stat().st_size, image_id, built)
 
 
+BINARY_CONTAINERFILE = """ARG BASE_IMAGE
+FROM ${BASE_IMAGE}
+COPY bin/ /bin/
+USER 65534
+ENTRYPOINT ["/bin/%s"]
+"""
+
+
+def build_binary_image(name: str, binaries: Iterable[Path]) -> Image:
+    """An image of upstream static binaries (Prometheus, its config reloader, ...) on the Debian base, as
+    ``localhost/embedops-<name>:<tag>``: each binary in /bin, the first one the entry point, user nobody (the
+    controllers that run these images set their own user). ``<tag>`` hashes the binaries and the base."""
+    binaries = [Path(b) for b in binaries]
+    why = podman_usable()
+    if why:
+        raise RuntimeError(why)
+    base = base_image()
+    h = hashlib.sha256(f"{name}\0{_image_id(base) or base}\0{BINARY_CONTAINERFILE}".encode())
+    for b in binaries:
+        with open(b, "rb") as f:
+            h.update(f"{b.name}\0".encode() + hashlib.file_digest(f, "sha256").digest())
+    tag = h.hexdigest()[:12]
+    ref = f"localhost/embedops-{name}:{tag}"
+    archives = cache_root() / "archives"
+    archives.mkdir(parents=True, exist_ok=True)
+    archive = archives / f"{name}-{tag}.tar"
+
+    def context(ctx: Path) -> None:
+        (ctx / "bin").mkdir()
+        for b in binaries:
+            try:
+                os.link(b, ctx / "bin" / b.name)
+            except OSError:
+                shutil.copy2(b, ctx / "bin" / b.name)
+        (ctx / "Containerfile").write_text(BINARY_CONTAINERFILE % binaries[0].name)
+
+    with _locked(ref):
+        img = _build_locked(name, ref, "Containerfile", {"BASE_IMAGE": base}, archive, None, make_context=context)
+    _prune(name, keep=archive, repo=f"localhost/embedops-{name}", suffix="")
+    return img
+
+
 KEEP = 3  # tags kept per image name (archives and podman images); older ones are removed
 
 
-def _prune(name: str, keep: Path) -> None:
-    repo, suffix = IMAGES[name][1], IMAGES[name][2]
+def _prune(name: str, keep: Path, repo: str | None = None, suffix: str | None = None) -> None:
+    if repo is None or suffix is None:
+        repo, suffix = IMAGES[name][1], IMAGES[name][2]
     mine = re.compile(rf"{re.escape(name)}-([0-9a-f]{{12}}{re.escape(suffix)})\.tar")
     archives = sorted((a for a in (cache_root() / "archives").glob("*.tar") if mine.fullmatch(a.name)),
                       key=lambda p: p.stat().st_mtime, reverse=True)

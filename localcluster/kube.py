@@ -23,6 +23,18 @@ import time
 from pathlib import Path
 
 
+def load_yaml(text: str) -> list[dict]:
+    """The documents of a YAML stream, the way the API server reads them. PyYAML's safe loader follows YAML 1.1
+    and takes a bare ``=`` for its "value" tag, which it cannot construct; Prometheus Operator's CRDs list
+    ``=`` among relabel actions' enum values, where it is a string."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+    Loader.add_constructor("tag:yaml.org,2002:value", lambda loader, node: loader.construct_scalar(node))
+    return [d for d in yaml.load_all(text, Loader=Loader) if d]
+
+
 class Kube:
     def __init__(self, kubeconfig: str, local: bool, helm: str | None = None, real_node: str | None = None,
                  real_node_reason: str | None = None):
@@ -85,8 +97,6 @@ class Kube:
     # --- third-party CRDs ----------------------------------------------------------------------
     @staticmethod
     def _crd_docs(names) -> list[dict]:
-        import yaml
-
         from localcluster.components import crd_files
 
         files = crd_files()
@@ -97,7 +107,7 @@ class Kube:
             for f in files[name]:
                 if not f.exists():
                     raise FileNotFoundError(f"{f} missing; run `make cluster-binaries`")
-                docs += [d for d in yaml.safe_load_all(f.read_text()) if d]
+                docs += load_yaml(f.read_text())
         return docs
 
     def install_crds(self, names, timeout: float = 60) -> None:
@@ -178,13 +188,12 @@ class Kube:
     # --- generic apply ---------------------------------------------------------------------------
     def apply(self, docs, namespace: str | None = None, field_manager: str = "embedops-tests") -> list:
         """Server-side apply YAML documents (a list of dicts, a YAML string or a file path)."""
-        import yaml
         from kubernetes import dynamic
 
         if isinstance(docs, Path) or (isinstance(docs, str) and "\n" not in docs and docs.endswith((".yaml", ".yml"))):
             docs = Path(docs).read_text()
         if isinstance(docs, str):
-            docs = [d for d in yaml.safe_load_all(docs) if d]
+            docs = load_yaml(docs)
         out = []
         with self.api_client() as api:
             dyn = dynamic.DynamicClient(api)

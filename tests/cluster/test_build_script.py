@@ -93,9 +93,9 @@ def test_a_failing_step_names_component_command_and_log(tmp_path):
 
 
 def test_an_unknown_component_is_refused_by_name():
-    r = subprocess.run([sys.executable, "-m", "localcluster.build", "prometheus"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "localcluster.build", "grafana"], capture_output=True, text=True,
                        timeout=60, cwd=REPO)
-    assert r.returncode == 2 and "unknown component 'prometheus'" in r.stderr and "etcd" in r.stderr, r.stderr
+    assert r.returncode == 2 and "unknown component 'grafana'" in r.stderr and "etcd" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("c", [c for c in components.COMPONENTS
@@ -115,5 +115,22 @@ def test_the_sets_name_known_components_and_the_demo_builds_less():
         assert members and all(m in components.BY_NAME for m in members), name
     demo, tests = set(components.DEMO), set(components.TESTS)
     assert demo < tests
-    assert {"source-controller", "kustomize-controller", "kstatus", "helm"}.isdisjoint(demo)
-    assert set(components.crd_files()) == {"servicemonitor", "httproute", "scaledobject"}
+    assert {"source-controller", "kustomize-controller", "kstatus", "helm", "prometheus", "prometheus-operator"}.isdisjoint(
+        demo)  # monitoring's controllers are built for the tests, or for a demo that asks for them
+    files = components.crd_files()
+    assert set(files) == {"servicemonitor", "prometheusrule", "monitoring", "httproute", "scaledobject"}
+    assert set(files["servicemonitor"]) < set(files["monitoring"]) and len(files["monitoring"]) == 10
+
+
+@pytest.mark.parametrize("c", [c for c in components.COMPONENTS
+                               if any(isinstance(r, components.GoPackages) for r in c.recipes)], ids=lambda c: c.name)
+def test_each_wrapper_module_pins_the_components_version(c):
+    """A wrapper module (recipes/<folder>/go.mod) requires every module its packages come from at the table's
+    version."""
+    r = next(r for r in c.recipes if isinstance(r, components.GoPackages))
+    gomod = (components.RECIPES / r.folder / "go.mod").read_text()
+    required = dict(re.findall(r"^\s*(?:require\s+)?(\S+) (v\S+)(?:\s*//.*)?$", gomod, re.M))
+    for package, _ in r.binaries:
+        module = max((m for m in required if package == m or package.startswith(m + "/")), key=len, default=None)
+        assert module, f"{r.folder}/go.mod requires no module of {package}"
+        assert required[module] == c.version, (c.name, module, required[module], c.version)

@@ -1,0 +1,173 @@
+"""Monitoring on its real controllers in the local cluster: Prometheus Operator and the Prometheus it runs.
+
+What a platform team installs with kube-prometheus-stack, made here from Go modules (components.py,
+``monitoring`` set) since no image can be pulled:
+
+* the ``monitoring.coreos.com`` CRDs Prometheus Operator needs to start;
+* Prometheus Operator v0.85.0 as a process beside the control plane (recorded in the cluster's state, so
+  ``controlplane down`` stops it), with the admin client certificate; it renders every Prometheus object
+  into a StatefulSet, its config from the ServiceMonitors the Prometheus selects;
+* the images of Prometheus 3.x and the config reloader (``images.build_binary_image``: the static binaries
+  on the Debian base), imported into the real node: the operator is told the reloader's image
+  (``--prometheus-config-reloader``) and the Prometheus object names its own ``image``;
+* one Prometheus, ``monitoring/embedops``, on the real node, selecting ServiceMonitors and PrometheusRules
+  labelled ``release: kube-prometheus-stack`` in every namespace (kube-prometheus-stack's default selector
+  for a release of that name). The operator's Service ``prometheus-operated.monitoring`` is the address the
+  EmbeddingService's ``autoscaling.prometheusAddress`` defaults to.
+
+API::
+
+    stack = monitoring.up(kube, cluster)   # idempotent; waits until Prometheus is ready
+    stack.url                              # http://<pod IP>:9090, reachable from this machine (the bridge)
+    stack.query('up{namespace="x"}')       # the result list of /api/v1/query
+    monitoring.SELECTOR                    # the labels a ServiceMonitor needs to be selected
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .components import PROMETHEUS_VERSION, expand, provided
+from .workloads import REAL_NODE_TOLERATIONS
+
+NAMESPACE = "monitoring"
+PROMETHEUS = "embedops"
+SELECTOR = {"release": "kube-prometheus-stack"}
+SCRAPE_INTERVAL = "5s"  # short so that tests see load within seconds; a ServiceMonitor's own interval wins
+OPERATOR_PROCESS = "prometheus-operator"
+
+
+def _log(msg: str) -> None:
+    print(f"[monitoring {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def manifests(prometheus_image: str, node_selector: dict) -> list[dict]:
+    """The namespace, Prometheus' ServiceAccount and read-only RBAC (what kube-prometheus-stack grants it),
+    and the Prometheus object."""
+    rules = [{"apiGroups": [""], "resources": ["nodes", "nodes/metrics", "services", "endpoints", "pods"],
+              "verbs": ["get", "list", "watch"]},
+             {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+             {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]},
+             {"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
+    return [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "prometheus", "namespace": NAMESPACE}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": "embedops:prometheus"}, "rules": rules},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": {"name": "embedops:prometheus"},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "embedops:prometheus"},
+         "subjects": [{"kind": "ServiceAccount", "name": "prometheus", "namespace": NAMESPACE}]},
+        {"apiVersion": "monitoring.coreos.com/v1", "kind": "Prometheus",
+         "metadata": {"name": PROMETHEUS, "namespace": NAMESPACE},
+         "spec": {"image": prometheus_image, "version": f"v{PROMETHEUS_VERSION}", "replicas": 1,
+                  "serviceAccountName": "prometheus",
+                  "serviceMonitorSelector": {"matchLabels": SELECTOR}, "serviceMonitorNamespaceSelector": {},
+                  "ruleSelector": {"matchLabels": SELECTOR}, "ruleNamespaceSelector": {},
+                  "podMonitorSelector": {"matchLabels": SELECTOR}, "probeSelector": {"matchLabels": SELECTOR},
+                  "scrapeConfigSelector": {"matchLabels": SELECTOR},
+                  "scrapeInterval": SCRAPE_INTERVAL, "evaluationInterval": SCRAPE_INTERVAL, "retention": "2h",
+                  "nodeSelector": node_selector, "tolerations": REAL_NODE_TOLERATIONS,
+                  "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "1Gi"}}}},
+    ]
+
+
+@dataclass
+class Stack:
+    url: str
+    operator_log: Path
+
+    def query(self, promql: str, timeout: float = 10) -> list[dict]:
+        """The ``result`` of an instant query (``data.result``); raises on an error answer."""
+        q = urllib.parse.urlencode({"query": promql})
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?{q}", timeout=timeout) as r:
+            body = json.loads(r.read())
+        if body.get("status") != "success":
+            raise RuntimeError(f"Prometheus refused {promql!r}: {body}")
+        return body["data"]["result"]
+
+    def targets(self) -> list[dict]:
+        with urllib.request.urlopen(f"{self.url}/api/v1/targets?state=active", timeout=10) as r:
+            return json.loads(r.read())["data"]["activeTargets"]
+
+
+def _build() -> dict:
+    """The binaries (built once per version) and the two images, imported by the caller."""
+    from . import images
+    from .build import Builder
+
+    Builder().build_all(expand(["monitoring"]))
+    prom = images.build_binary_image("prometheus", [provided("prometheus"), provided("prometheus", "promtool")])
+    reloader = images.build_binary_image("prometheus-config-reloader",
+                                         [provided("prometheus-operator", "prometheus-config-reloader")])
+    return {"prometheus": prom, "prometheus-config-reloader": reloader}
+
+
+def _start_operator(cluster, reloader_image: str) -> Path:
+    """Prometheus Operator as a process of the cluster (its state file records it; ``down`` stops it)."""
+    st = cluster._state()
+    log = cluster.run_dir / "logs" / f"{OPERATOR_PROCESS}.log"
+    running = [p for p in st.get("procs", []) if p["name"] == OPERATOR_PROCESS]
+    if running and cluster._exit_status(running[0]) is None and f"--prometheus-config-reloader={reloader_image}" \
+            in running[0].get("argv", []):
+        return log
+    if running:  # dead, or started for another reloader image
+        cluster._stop(running)
+        st = cluster._state()
+        st["procs"] = [p for p in st["procs"] if p["name"] != OPERATOR_PROCESS]
+        cluster._save(st)
+    from .pki import free_port
+
+    pki = cluster.run_dir / "pki"
+    argv = [str(provided("prometheus-operator")), f"--apiserver={st['server']}",
+            f"--cert-file={pki / 'admin.crt'}", f"--key-file={pki / 'admin.key'}", f"--ca-file={pki / 'ca.crt'}",
+            f"--prometheus-config-reloader={reloader_image}",
+            f"--web.listen-address=127.0.0.1:{free_port()}", "--log-level=info"]
+    cluster._spawn(st, OPERATOR_PROCESS, argv)
+    return log
+
+
+def up(kube, cluster, timeout: float = 300) -> Stack:
+    """Build what is missing, start Prometheus Operator, apply the Prometheus and wait until it is ready."""
+    from kubernetes import client
+
+    if not kube.real_node:
+        raise RuntimeError(f"monitoring needs the real node to run Prometheus: {kube.real_node_reason}")
+    t = time.monotonic()
+    built = _build()
+    kube.import_images(list(built.values()))
+    kube.install_crds(["monitoring"])
+    log = _start_operator(cluster, built["prometheus-config-reloader"].ref)
+    kube.apply(manifests(built["prometheus"].ref, {"kubernetes.io/hostname": kube.real_node}))
+    pod = f"prometheus-{PROMETHEUS}-0"
+    deadline = time.monotonic() + timeout
+    with kube.api_client() as api:
+        core = client.CoreV1Api(api)
+        while True:
+            try:
+                p = core.read_namespaced_pod(pod, NAMESPACE)
+                if p.status.pod_ip and all(c.ready for c in p.status.container_statuses or [False]) \
+                        and p.status.container_statuses:
+                    stack = Stack(f"http://{p.status.pod_ip}:9090", log)
+                    try:
+                        stack.query("vector(1)")
+                        break
+                    except OSError:
+                        pass
+            except client.ApiException as e:
+                if e.status != 404:
+                    raise
+            exited = [x for x in cluster._state().get("procs", []) if x["name"] == OPERATOR_PROCESS
+                      and cluster._exit_status(x) is not None]
+            if exited or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+                raise TimeoutError(f"Prometheus {NAMESPACE}/{pod} not ready after {time.monotonic() - t:.0f}s "
+                                   f"(operator {'exited' if exited else 'running'}); operator log:\n{tail}")
+            time.sleep(1)
+    _log(f"Prometheus {PROMETHEUS_VERSION} ready at {stack.url} in {time.monotonic() - t:.0f}s")
+    return stack
