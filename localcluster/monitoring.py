@@ -91,6 +91,10 @@ class Stack:
             raise RuntimeError(f"Prometheus refused {promql!r}: {body}")
         return body["data"]["result"]
 
+    def rule_groups(self) -> list[dict]:
+        with urllib.request.urlopen(f"{self.url}/api/v1/rules", timeout=10) as r:
+            return json.loads(r.read())["data"]["groups"]
+
     def targets(self) -> list[dict]:
         with urllib.request.urlopen(f"{self.url}/api/v1/targets?state=active", timeout=10) as r:
             return json.loads(r.read())["data"]["activeTargets"]

@@ -20,7 +20,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.rest import ApiException
 
-from . import render, spec
+from . import metrics, render, spec
 from .litellm import manager as litellm_manager
 
 log = logging.getLogger("embedops.apply")
@@ -211,8 +211,10 @@ class Kube:
             resp = self.api.call_api(method, url, header_params=headers, body=body, post_params=post,
                                      _request_timeout=timeout)
         except Exception as exc:
+            metrics.API_REQUESTS.labels(verb, "error").inc()
             self.health.failed(exc)
             raise
+        metrics.API_REQUESTS.labels(verb, str(resp.status)).inc()
         if resp.status in UNAVAILABLE_STATUSES:
             self.health.failed(ApiException(status=resp.status, reason=resp.reason))
         elif resp.status < 500:  # an answer; a 500 says nothing either way (etcd down, or one bad object)

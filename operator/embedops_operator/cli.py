@@ -44,7 +44,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.stall_after_seconds:
         os.environ["EMBEDOPS_STALL_AFTER_SECONDS"] = str(args.stall_after_seconds)
     from . import handlers  # noqa: F401 - registers the handlers
-    from . import leader
+    from . import leader, metrics
+
+    metrics.serve(args.metrics_address)  # every replica: a follower reports embedops_operator_leader 0
 
     # kopf's own peering stays off (standalone); with --leader-elect, leader.py runs kopf only while this
     # process holds the Lease and exits 1 when it loses it
@@ -109,6 +111,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--stall-after-seconds", type=float, default=None)
     run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                      help="liveness endpoint URL ('' to disable)")
+    run.add_argument("--metrics-address", default="0.0.0.0:8081",
+                     help="host:port serving the operator's Prometheus /metrics ('' to disable)")
     from .leader import add_arguments as leader_arguments
     leader_arguments(run)
     run.set_defaults(func=cmd_run)

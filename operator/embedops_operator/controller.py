@@ -19,7 +19,7 @@ import threading
 import time
 from functools import partial
 
-from . import apply, render, spec, watchcache
+from . import apply, metrics, render, spec, watchcache
 from .cachedkube import CachedKube
 from .reconcile import Reconciler, Settings
 from .workqueue import WorkQueue
@@ -162,6 +162,8 @@ class Controller:
                 return
             key, full = item
             ok = True
+            result = "ok"
+            started = time.monotonic()
             body = self.tombstones.pop(key, None)
             seen = None
             try:
@@ -175,7 +177,7 @@ class Controller:
                     self._seen.pop(key, None)
                     self.reconciler.reconcile(*key, apply_children=full)
                     if key in self.reconciler.unfinished:
-                        ok = False  # its status says why; retried with the key's back-off
+                        ok, result = False, "retry"  # its status says why; retried with the key's back-off
                     elif seen is not None:
                         self._seen[key] = seen
             except Exception as exc:  # noqa: BLE001 - retried with a backoff
@@ -188,9 +190,11 @@ class Controller:
                     log.exception("reconcile of %s/%s failed", *key)
                 if body is not None:
                     self.tombstones.setdefault(key, body)
-                ok = False
+                ok, result = False, "error"
             finally:
                 self.queue.done(key, ok)
+                metrics.RECONCILES.labels(result).inc()
+                metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
 
     # ------------------------------------------------------------------ API server outages
     def _recovered(self, outage: float) -> str | None:
@@ -245,6 +249,16 @@ class Controller:
                 return None
             parts.append(((inf.get(ns, config_map) or {}).get("metadata") or {}).get("resourceVersion"))
         return tuple(parts)
+
+    def services(self) -> list[dict]:
+        """The EmbeddingServices in the watch cache (none until it has synced), for the metrics."""
+        infs = self.cache.informers.get(ES) or []
+        return [o for i in infs if i.synced for o in i.items(None)]
+
+    def pods_of(self, namespace: str, name: str) -> list[dict]:
+        """A service's Pods from the watch cache (none when it is not synced), for the metrics."""
+        inf = self.cache.informer_for("v1", "Pod", namespace)
+        return inf.indexed(namespace, name) if inf is not None and inf.synced else []
 
     def _service_keys(self) -> list[tuple[str, str]]:
         infs = self.cache.informers.get(ES) or []
@@ -301,6 +315,7 @@ class Controller:
             while not inf.wait_synced(0.2) and not inf.waiting_reason and not self._stop.is_set() \
                     and time.monotonic() < deadline:
                 pass
+        metrics.watch(self)
         for n in range(self.workers):
             self._spawn(self._work, f"embedops-worker-{n}")
         self._spawn(self._resync_loop, "embedops-resync")
@@ -316,6 +331,7 @@ class Controller:
 
     def stop(self) -> None:
         self._stop.set()
+        metrics.unwatch(self)
         self.queue.close()
         with self._lock:
             infs = [i for group in self.cache.informers.values() for i in group]

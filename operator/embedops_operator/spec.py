@@ -316,6 +316,10 @@ class ServiceMonitor(Model):
 
 class Monitoring(Model):
     service_monitor: ServiceMonitor = Field(default_factory=ServiceMonitor, json_schema_extra={"default": {}})
+    p99_latency_seconds: float | None = Field(
+        None, gt=0, description="The p99 request latency this service should stay under; the chart's "
+        "EmbeddingServiceLatencyOverBudget alert fires when it does not for 10 minutes (the operator exports it "
+        "as embedops_service_p99_budget_seconds). Unset: the chart's alerts.defaultP99LatencySeconds.")
 
 
 class LocalObjectReference(Model):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from typing import Callable
 
 Key = tuple[str, str]
 
@@ -29,6 +30,8 @@ class WorkQueue:
         self.max_backoff = max_backoff
         self.coalesce = coalesce
         self._held: dict[Key, bool] = {}  # keys in their coalescing window
+        self._since: dict[Key, float] = {}  # when each waiting key entered the queue
+        self.observe_wait: Callable[[float], None] | None = None  # seconds a key waited, when a worker takes it
 
     def add(self, key: Key, full: bool = True) -> None:
         with self._cond:
@@ -42,6 +45,7 @@ class WorkQueue:
                 self._waiting[key] = self._waiting[key] or full
             else:
                 self._waiting[key] = full
+                self._since[key] = time.monotonic()
                 self._order.append(key)
                 self._cond.notify()
 
@@ -58,8 +62,11 @@ class WorkQueue:
                 self._cond.wait(left)
             key = self._order.popleft()
             full = self._waiting.pop(key)
+            waited = time.monotonic() - self._since.pop(key, time.monotonic())
             self._active.add(key)
-            return key, full
+        if self.observe_wait is not None:
+            self.observe_wait(waited)
+        return key, full
 
     def done(self, key: Key, ok: bool = True) -> None:
         with self._cond:

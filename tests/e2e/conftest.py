@@ -91,7 +91,12 @@ def operator(kube, embsvc_crd, third_party_crds, tmp_path_factory):
     # Watches the e2e namespaces by name, as the chart installed with watched namespaces does
     # (EMBEDOPS_E2E_WATCH=all: cluster-wide).
     watch = [] if os.environ.get("EMBEDOPS_E2E_WATCH") == "all" else ["--namespace", ",".join(_WATCHED)]
+    from localcluster.pki import free_port
+
+    # /metrics on every address: the Prometheus pod of tests/e2e/test_monitoring.py scrapes it over the bridge
+    metrics_port = free_port()
     argv = [sys.executable, "-m", "embedops_operator.cli", "run", "--liveness", "", *watch,
+            "--metrics-address", f"0.0.0.0:{metrics_port}",
             "--stall-after-seconds", os.environ.get("EMBEDOPS_E2E_STALL_AFTER", "10"),
             # Stalled for an unschedulable pod is decided on a reconcile after stall-after; with no
             # further events that reconcile is the resync timer, so keep it short here.
@@ -102,6 +107,7 @@ def operator(kube, embsvc_crd, third_party_crds, tmp_path_factory):
     if proc.poll() is not None:
         pytest.fail(f"operator exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
     proc.log_path = log  # type: ignore[attr-defined]
+    proc.metrics_port = metrics_port  # type: ignore[attr-defined]
     yield proc
     proc.terminate()
     try:

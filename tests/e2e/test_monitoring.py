@@ -8,12 +8,13 @@ modules, Prometheus as a pod of its own image). Bounded local load only.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from localcluster import monitoring
 from localcluster.workloads import prerequisites
-from tests.e2e.conftest import wait_for
+from tests.e2e.conftest import REPO, wait_for
 from tests.e2e.real_pods import LOAD_CLIENT, client_pod, exec_in, pod_log, wait_pod_phase
 from tests.e2e.test_real_pods import _kubeconfig, example, ns, on_real_node, real, service_url, svc, wait_ready  # noqa: F401
 
@@ -109,3 +110,77 @@ def test_queue_size_rises_under_load(kube, real, ns, svc, stack, monitored):
     print(f"te_queue_size max over 30 s: {before} at rest, then {seen} under load; load: {summary}")
     assert before == 0
     assert json.loads(summary)["failed"] == 0
+
+
+def _chart(kube, ns_for_rule: str, *sets: str) -> dict[str, dict]:
+    """The chart's PrometheusRule and ServiceMonitor, by kind."""
+    import subprocess
+
+    import yaml
+
+    args = [kube.helm, "template", "embedops", str(REPO / "charts" / "embedops-operator"), "--namespace",
+            ns_for_rule, "--set", "alerts.enabled=true", "--set", "metrics.serviceMonitor.enabled=true",
+            "--set", f"alerts.labels.release={monitoring.SELECTOR['release']}"]
+    for s in sets:
+        args += ["--set", s]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    return {d["kind"]: d for d in yaml.safe_load_all(out) if d and d["kind"] in ("PrometheusRule", "ServiceMonitor")}
+
+
+def test_alerts_load_and_stalled_fires_then_resolves_on_live_data(kube, real, ns, svc, stack, operator, monitored):
+    """The chart's PrometheusRule on the live Prometheus, the operator's /metrics scraped through a ServiceMonitor
+    (the operator runs on this machine here: a Service without selector and its Endpoints at the node's bridge
+    address stand in for the chart's metrics Service), and one alert taken through a real fault: a service
+    whose pod can never be scheduled is Stalled (the e2e operator decides that after 10 s), the alert fires,
+    and resolves once the service is gone. `for` is 0 s here; the promtool tests check the real ones."""
+    from localcluster.node import HOST_IP
+
+    port = operator.metrics_port
+    chart = _chart(kube, ns, "alerts.for.stalled=0s")
+    endpoint = {**chart["ServiceMonitor"]["spec"]["endpoints"][0], "interval": "5s"}  # as the chart scrapes it
+    labels = {"app.kubernetes.io/name": "embedops-operator", "app.kubernetes.io/component": "metrics"}
+    kube.apply([
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "embedops-operator-metrics", "namespace": ns,
+                                                             "labels": labels},
+         "spec": {"ports": [{"name": "metrics", "port": port, "targetPort": port}]}},
+        {"apiVersion": "v1", "kind": "Endpoints", "metadata": {"name": "embedops-operator-metrics", "namespace": ns,
+                                                               "labels": labels},
+         "subsets": [{"addresses": [{"ip": HOST_IP}], "ports": [{"name": "metrics", "port": port}]}]},
+        {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+         "metadata": {"name": "embedops-operator", "namespace": ns, "labels": dict(monitoring.SELECTOR)},
+         "spec": {"selector": {"matchLabels": labels}, "namespaceSelector": {"matchNames": [ns]},
+                  "endpoints": [endpoint]}},
+        chart["PrometheusRule"]])
+
+    def loaded():
+        groups = {g["name"]: g for g in stack.rule_groups()}
+        if {"embedops.services", "embedops.operator"} <= set(groups):
+            return groups
+    groups = wait_for(loaded, timeout=90, what="the chart's rule groups loaded by Prometheus")
+    rules = [r for g in groups.values() for r in g["rules"]]
+    assert len(rules) == 10
+
+    # the operator's series, with the labels the alerts aggregate by
+    ready = _series(stack, f'embedops_service_condition{{namespace="{ns}",service="{NAME}",type="Ready",'
+                           f'status="True"}} == 1', timeout=90)
+    assert ready
+    assert _series(stack, "embedops_operator_leader == 1")
+
+    stuck = on_real_node(example(), real)
+    stuck["metadata"]["name"] = "stuck"
+    stuck["spec"]["nodeSelector"] = {"embedops.dev/no-such-pool": "anywhere"}
+    stuck["spec"]["monitoring"] = {"serviceMonitor": {"enabled": False}}
+    svc.create(stuck)
+    firing = f'ALERTS{{alertname="EmbeddingServiceStalled",alertstate="firing",namespace="{ns}",service="stuck"}}'
+    t = time.monotonic()
+    try:
+        _series(stack, firing, timeout=120)
+        fired_after = time.monotonic() - t
+    finally:
+        svc.delete("stuck")
+    wait_for(lambda: not stack.query(firing), timeout=120, what="EmbeddingServiceStalled resolved")
+    resolved_after = time.monotonic() - t - fired_after
+    print(f"EmbeddingServiceStalled fired {fired_after:.0f} s after the service was created, resolved "
+          f"{resolved_after:.0f} s after it was deleted")
+    health = {r["name"]: (r["health"], r.get("lastError", "")) for g in stack.rule_groups() for r in g["rules"]}
+    assert all(h == "ok" for h, _ in health.values()), health

@@ -1,0 +1,125 @@
+"""The operator's own Prometheus metrics, served on ``--metrics-address`` (the chart's port ``metrics``).
+
+What a platform team alerts on and looks at when services do not converge:
+
+* ``embedops_operator_reconciles_total{result}``: ``ok`` (children and status current), ``retry`` (an apply
+  failed: the status says why, retried with a back-off), ``error`` (an exception, logged with its traceback);
+  ``embedops_operator_reconcile_duration_seconds``;
+* ``embedops_operator_workqueue_depth``, ``embedops_operator_workqueue_retrying`` (services waiting out a
+  back-off), ``embedops_operator_workqueue_wait_seconds`` (from an event to a worker taking the service);
+* ``embedops_operator_api_requests_total{verb,code}``: every request to the API server (``code="error"``:
+  no answer);
+* ``embedops_operator_leader``: 1 in the replica that reconciles (holds the Lease, or runs without election);
+* ``embedops_service_condition{namespace,service,type,status}``: 1 for each EmbeddingService's current
+  status of each condition (Ready, Reconciling, Stalled, ...), 0 for the other two statuses (the
+  kube-state-metrics convention, so ``== 0`` and ``for:`` work in alerts), and
+  ``embedops_service_replicas{namespace,service,state="desired|ready"}``, read from the watch cache at scrape
+  time (no request to the API server).
+
+Only the leader has a controller: the service families come from it alone.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+log = logging.getLogger("embedops.metrics")
+REGISTRY = CollectorRegistry(auto_describe=True)
+RECONCILES = Counter("embedops_operator_reconciles", "Reconciles of EmbeddingServices by result (ok, retry, error)",
+                     ["result"], registry=REGISTRY)
+RECONCILE_SECONDS = Histogram("embedops_operator_reconcile_duration_seconds", "Duration of one reconcile",
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=REGISTRY)
+QUEUE_WAIT = Histogram("embedops_operator_workqueue_wait_seconds",
+                       "Seconds a service waited in the work queue before a worker took it",
+                       buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60), registry=REGISTRY)
+API_REQUESTS = Counter("embedops_operator_api_requests", "Requests to the Kubernetes API server by verb and status "
+                       "code ('error': no answer)", ["verb", "code"], registry=REGISTRY)
+LEADER = Gauge("embedops_operator_leader", "1 while this replica reconciles (holds the leader Lease)",
+               registry=REGISTRY)
+for result in ("ok", "retry", "error"):
+    RECONCILES.labels(result)  # present at 0 from the start: rate() and increase() see the first failure
+
+STATUSES = ("True", "False", "Unknown")
+_lock = threading.Lock()
+_controller = None
+
+
+def watch(controller) -> None:
+    """Report ``controller``'s queue and services (None: it stopped)."""
+    global _controller
+    with _lock:
+        _controller = controller
+    LEADER.set(0 if controller is None else 1)
+    if controller is not None:
+        controller.queue.observe_wait = QUEUE_WAIT.observe
+
+
+def unwatch(controller) -> None:
+    """Stop reporting ``controller`` (if it is the one reported)."""
+    global _controller
+    with _lock:
+        if _controller is controller:
+            _controller = None
+            LEADER.set(0)
+
+
+class _ControllerCollector:
+    def collect(self) -> Iterator[Metric]:
+        with _lock:
+            c = _controller
+        depth = GaugeMetricFamily("embedops_operator_workqueue_depth", "Services waiting for a worker")
+        retrying = GaugeMetricFamily("embedops_operator_workqueue_retrying",
+                                     "Services waiting out a back-off after a failed reconcile")
+        cond = GaugeMetricFamily("embedops_service_condition", "EmbeddingService conditions (1: the current status)",
+                                 labels=["namespace", "service", "type", "status"])
+        replicas = GaugeMetricFamily("embedops_service_replicas", "EmbeddingService replicas from its status",
+                                     labels=["namespace", "service", "state"])
+        restarts = GaugeMetricFamily("embedops_service_pod_restarts",
+                                     "Container restarts summed over the service's current pods (a crash loop, a "
+                                     "model that cannot load, OOM kills)", labels=["namespace", "service"])
+        budget = GaugeMetricFamily("embedops_service_p99_budget_seconds",
+                                   "spec.monitoring.p99LatencySeconds (only for services that set it)",
+                                   labels=["namespace", "service"])
+        if c is not None:
+            depth.add_metric([], len(c.queue))
+            retrying.add_metric([], c.queue.failing())
+            for es in c.services():
+                meta, st = es.get("metadata") or {}, es.get("status") or {}
+                ns, name = meta.get("namespace", ""), meta.get("name", "")
+                for x in st.get("conditions") or []:
+                    for s in STATUSES:
+                        cond.add_metric([ns, name, x.get("type", ""), s], 1.0 if x.get("status") == s else 0.0)
+                replicas.add_metric([ns, name, "desired"], float(st.get("replicas") or 0))
+                replicas.add_metric([ns, name, "ready"], float(st.get("readyReplicas") or 0))
+                restarts.add_metric([ns, name], float(sum(
+                    cs.get("restartCount") or 0 for p in c.pods_of(ns, name)
+                    for cs in (p.get("status") or {}).get("containerStatuses") or [])))
+                p99 = ((es.get("spec") or {}).get("monitoring") or {}).get("p99LatencySeconds")
+                if p99:
+                    budget.add_metric([ns, name], float(p99))
+        yield from (depth, retrying, cond, replicas, restarts, budget)
+
+    def describe(self) -> list:
+        return []
+
+
+REGISTRY.register(_ControllerCollector())
+
+
+def serve(address: str) -> None:
+    """Serve ``/metrics`` on ``host:port`` in a daemon thread ('' or a port of 0: not at all)."""
+    from prometheus_client import start_http_server
+
+    if not address:
+        return
+    host, _, port = address.rpartition(":")
+    if int(port) == 0:
+        return
+    try:
+        start_http_server(int(port), addr=host or "0.0.0.0", registry=REGISTRY)
+    except OSError as exc:  # another operator process on this machine (tests, a laptop): reconciling matters more
+        log.error("cannot serve /metrics on %s: %s; running without it", address, exc)
