@@ -560,6 +560,10 @@ def scaled_object(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | 
             "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
                      "minReplicaCount": a.min_replicas, "maxReplicaCount": a.max_replicas,
                      "pollingInterval": 15, "cooldownPeriod": a.cooldown_seconds,
+                     # KEDA's cooldownPeriod only delays the last step to zero; scaling down from N to the
+                     # minimum is its HPA's, with Kubernetes' default 300 s window unless this sets it
+                     "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {"scaleDown": {
+                         "stabilizationWindowSeconds": a.cooldown_seconds}}}},
                      "fallback": {"failureThreshold": 3, "replicas": max(a.min_replicas, 1)},
                      "triggers": [{"type": "prometheus", "metadata": {
                          "serverAddress": a.prometheus_address, "query": query,

@@ -278,6 +278,10 @@ def test_autoscaling_keda_leaves_replicas_to_the_autoscaler():
     assert trig["type"] == "prometheus" and trig["metadata"]["threshold"] == "24"
     assert trig["metadata"]["query"] == 'sum(te_queue_size{namespace="ml",service="bge"})'
     assert "HorizontalPodAutoscaler" not in out and "PodDisruptionBudget" not in out
+    # cooldownSeconds governs scaling down to the minimum too, not only the step to zero
+    assert so["spec"]["cooldownPeriod"] == 300
+    assert so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"] == {
+        "stabilizationWindowSeconds": 300}
 
 
 def test_autoscaling_falls_back_to_hpa_without_keda():
