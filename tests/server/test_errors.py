@@ -192,3 +192,20 @@ def test_cors_preflight_allows_authorization_and_errors_carry_cors_headers(tmp_p
     with run_server(model_id=str(minilm_dir()), backend="onnxruntime", onnx_cache=str(tmp_path)) as (url, st):
         r = httpx.post(url + "/embed", json={"inputs": "x"}, headers=origin)
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers  # off by default
+
+
+def test_every_failure_cause_is_exported_at_zero_before_the_first_failure():
+    """rate(te_request_failure{err="overloaded"}) and the dashboard's 429 share read 0 on a healthy server, not
+    "no data": each cause the router can count exists from the start, and no other value is ever counted."""
+    from embedops_server.router import errors
+    from embedops_server.router.metrics import FAILURE_CAUSES, Metrics
+
+    text = Metrics().render().decode()
+    for err in FAILURE_CAUSES:
+        assert f'te_request_failure{{err="{err}"}} 0.0' in text, err
+    for method in ("single", "batch"):
+        assert f'te_request_count{{method="{method}"}} 0.0' in text
+    assert set(errors._FAILURE_LABEL.values()) <= set(FAILURE_CAUSES)
+    m = Metrics()
+    m.c.inc("te_request_failure", err="overloaded")
+    assert 'te_request_failure{err="overloaded"} 1.0' in m.render().decode()

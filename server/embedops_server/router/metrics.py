@@ -12,6 +12,12 @@ from prometheus_client import CollectorRegistry, disable_created_metrics, Gauge,
 disable_created_metrics()  # TEI exports no *_created series
 
 # TEI's duration buckets: 35 geometric buckets from 15 us, x1.5 each.
+# Every value te_request_failure's `err` label takes (router/errors.py, router/state.py). Exported at 0 from
+# the start: a series that appears only with the first failure makes rate() and ratios over it "no data"
+# instead of 0 (the dashboard's 429 share panel was empty on a healthy service, found on a live Prometheus).
+FAILURE_CAUSES = ("validation", "tokenization", "batch_size", "model_type", "overloaded", "inference",
+                  "unhealthy", "dropped")
+METHODS = ("single", "batch")
 DURATION_BUCKETS = [1.5e-5 * 1.5 ** i for i in range(35)]
 
 
@@ -25,6 +31,11 @@ class _Counters:
 
     def declare(self, name: str, help_: str, labels: tuple[str, ...] = ()) -> None:
         self._help[name] = (help_, labels)
+
+    def zero(self, name: str, **labels) -> None:
+        """Export this label set at 0 until it is first counted."""
+        with self._lock:
+            self._values.setdefault((name, tuple(sorted(labels.items()))), 0.0)
 
     def inc(self, name: str, amount: float = 1.0, **labels) -> None:
         key = (name, tuple(sorted(labels.items())))
@@ -63,6 +74,11 @@ class Metrics:
             ("te_queue_dropped_inputs", "Queued inputs dropped because their client went away (embedops)"),
         ]:
             self.c.declare(name, help_)
+        for err in FAILURE_CAUSES:
+            self.c.zero("te_request_failure", err=err)
+        for method in METHODS:
+            self.c.zero("te_request_count", method=method)
+            self.c.zero("te_request_success", method=method)
         r = self.registry
 
         def hist(name, help_, buckets=DURATION_BUCKETS):
