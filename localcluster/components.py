@@ -125,6 +125,17 @@ class Component:
 
 
 PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
+KEDA_VERSION = "v2.21.0"
+KEDA_MANIFESTS = ("config/general/namespace.yaml", "config/service_account/service_account.yaml",
+                  "config/rbac/role.yaml", "config/rbac/role_binding.yaml", "config/manager/manager.yaml",
+                  "config/manager/service.yaml", "config/metrics-server/api_service.yaml",
+                  "config/metrics-server/deployment.yaml", "config/metrics-server/role.yaml",
+                  "config/metrics-server/role_binding.yaml", "config/metrics-server/service.yaml")
+KEDA_CRDS = ("keda.sh_scaledobjects.yaml", "keda.sh_scaledjobs.yaml", "keda.sh_triggerauthentications.yaml",
+             "keda.sh_clustertriggerauthentications.yaml", "eventing.keda.sh_cloudeventsources.yaml",
+             "eventing.keda.sh_clustercloudeventsources.yaml")
+# KEDA's file names repeat across its folders (role.yaml, service.yaml): copied as manifests/<folder>/<file>
+_KEDA_FOLDERS = tuple(dict.fromkeys(m.split("/")[1] for m in KEDA_MANIFESTS))
 PROMETHEUS_MODULE_VERSION = "v0.316.0"  # Prometheus 3.x publishes its Go module as v0.3MM.P for 3.MM.P
 PROMETHEUS_VERSION = "3.16.0"
 PROMETHEUS_VERSION_VAR = "github.com/prometheus/common/version.Version"
@@ -197,6 +208,21 @@ COMPONENTS: tuple[Component, ...] = (
                    version_var=PROMETHEUS_VERSION_VAR, stamped_version=PROMETHEUS_VERSION, cgo=False)),
         ("prometheus", "promtool"),
         about=f"Prometheus {PROMETHEUS_VERSION} (no web UI assets: its HTTP API only) and promtool"),
+    # KEDA's operator and metrics API server (its external-metrics adapter), run as pods on the real node by
+    # localcluster/monitoring.py; the admission webhooks are left out (optional in KEDA's own install)
+    Component(
+        "keda-controllers", KEDA_VERSION,
+        (GoPackages("keda", (
+            ("github.com/kedacore/keda/v2/cmd/operator", "keda-operator"),
+            ("github.com/kedacore/keda/v2/cmd/adapter", "keda-adapter")),
+            version_var="github.com/kedacore/keda/v2/version.Version"),
+         ModuleFiles("github.com/kedacore/keda/v2", tuple(f"config/crd/bases/{f}" for f in KEDA_CRDS), into="crds"),
+         # KEDA's own install manifests (what its kustomize "minimal" config assembles), images replaced
+         *(ModuleFiles("github.com/kedacore/keda/v2", tuple(m for m in KEDA_MANIFESTS if m.split("/")[1] == d),
+                       into=f"manifests/{d}") for d in _KEDA_FOLDERS)),
+        ("keda-operator", "keda-adapter", "crds/keda.sh_scaledjobs.yaml",
+         *(f"manifests/{m.removeprefix('config/')}" for m in KEDA_MANIFESTS)),
+        about="KEDA's operator and metrics adapter, and every CRD the operator watches"),
     # Third-party CRDs, the YAML files the projects publish in their Go modules
     Component(
         "prometheus-operator-crds", PROMETHEUS_OPERATOR_VERSION,
@@ -213,7 +239,7 @@ COMPONENTS: tuple[Component, ...] = (
         ("gateway.networking.k8s.io_gatewayclasses.yaml", "gateway.networking.k8s.io_gateways.yaml",
          "gateway.networking.k8s.io_httproutes.yaml"), kind="crds", about="GatewayClass, Gateway, HTTPRoute CRDs"),
     Component(
-        "keda", "v2.21.0",
+        "keda", KEDA_VERSION,
         (ModuleFiles("github.com/kedacore/keda/v2", ("config/crd/bases/keda.sh_scaledobjects.yaml",)),),
         ("keda.sh_scaledobjects.yaml",), kind="crds", about="ScaledObject CRD"),
 )
@@ -224,7 +250,7 @@ CRDS = ("prometheus-operator-crds", "gateway-api", "keda")
 CONTROL_PLANE = ("k8s", "kwok", "etcd")
 DEMO = (*CONTROL_PLANE, "coredns", *CRDS)
 TESTS = tuple(c.name for c in COMPONENTS)
-MONITORING = ("prometheus-operator", "prometheus", "prometheus-operator-crds")
+MONITORING = ("prometheus-operator", "prometheus", "prometheus-operator-crds", "keda-controllers")
 SETS = {"demo": DEMO, "tests": TESTS, "control-plane": CONTROL_PLANE, "crds": CRDS, "monitoring": MONITORING}
 
 # The upstream CRDs by the short name the tests and the demo install them under
@@ -235,6 +261,7 @@ CRD_SETS: dict[str, tuple[str, tuple[str, ...]]] = {
     "monitoring": ("prometheus-operator-crds", ()),
     "httproute": ("gateway-api", ()),
     "scaledobject": ("keda", ()),
+    "keda": ("keda-controllers", tuple(f"crds/{f}" for f in KEDA_CRDS)),
 }
 
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .components import provided
-from .pki import free_port, make_pki, write_kubeconfig
+from .pki import free_port, make_client_cert, make_pki, write_kubeconfig
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -296,6 +296,9 @@ class Cluster:
             _node_step(node.prepare, api_port)
         pki = rd / "pki"
         make_pki(pki, (HOST_IP,) if node else ())
+        # the aggregation layer's front proxy: the API server's client certificate towards aggregated API
+        # servers (KEDA's metrics adapter), which trust the identity headers it sends (--requestheader-*)
+        make_client_cert(pki, pki, "front-proxy-client", "/CN=front-proxy-client")
         # Host clients (kubeconfig, the node's own components) always use 127.0.0.1: nothing on the host ever
         # depends on the bridge address, so none of it can be routed off the machine once the bridge is gone.
         server = f"https://127.0.0.1:{api_port}"
@@ -340,6 +343,14 @@ class Cluster:
                    # logs/exec: the node's IP, never its name through the machine's resolver
                    "--kubelet-preferred-address-types=InternalIP"] if node else []),
                 f"--cert-dir={rd / 'apiserver-certs'}",
+                f"--requestheader-client-ca-file={pki / 'ca.crt'}",
+                "--requestheader-allowed-names=front-proxy-client",
+                "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+                f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
+                f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
+                # to an aggregated API server's endpoint (a pod on the bridge), not its Service's cluster IP
+                "--enable-aggregator-routing=true",
                 "--v=1",
             ])
             self._wait("kube-apiserver /readyz", lambda: self._readyz(state), timeout, state)

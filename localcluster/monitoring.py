@@ -15,9 +15,16 @@ What a platform team installs with kube-prometheus-stack, made here from Go modu
   for a release of that name). The operator's Service ``prometheus-operated.monitoring`` is the address the
   EmbeddingService's ``autoscaling.prometheusAddress`` defaults to.
 
+* KEDA v2.21.0, operator and metrics adapter, as pods on the real node from KEDA's own install manifests
+  (its Go module's ``config/``: namespace ``keda``, RBAC, Deployments, Services, the ``APIService``
+  ``v1beta1.external.metrics.k8s.io``) with our images; the operator makes the adapter's certificates and the
+  APIService's CA bundle itself (``--enable-cert-rotation``). The API server reaches the adapter through the
+  aggregation layer (front-proxy flags in controlplane.py). The admission webhooks are left out.
+
 API::
 
     stack = monitoring.up(kube, cluster)   # idempotent; waits until Prometheus is ready
+    monitoring.keda_up(kube)               # idempotent; waits until external metrics are served
     stack.url                              # http://<pod IP>:9090, reachable from this machine (the bridge)
     stack.query('up{namespace="x"}')       # the result list of /api/v1/query
     monitoring.SELECTOR                    # the labels a ServiceMonitor needs to be selected
@@ -175,3 +182,71 @@ def up(kube, cluster, timeout: float = 300) -> Stack:
             time.sleep(1)
     _log(f"Prometheus {PROMETHEUS_VERSION} ready at {stack.url} in {time.monotonic() - t:.0f}s")
     return stack
+
+
+KEDA_NAMESPACE = "keda"
+
+
+def keda_manifests(operator_image: str, adapter_image: str, node_selector: dict) -> list[dict]:
+    """KEDA's own install manifests with our images, placed on the real node."""
+    from .components import KEDA_MANIFESTS, component
+    from .kube import load_yaml
+
+    c = component("keda-controllers")
+    docs = []
+    for m in KEDA_MANIFESTS:
+        docs += load_yaml(c.path(f"manifests/{m.removeprefix('config/')}").read_text())
+    images = {"keda-operator": (operator_image, "/bin/keda-operator"),
+              "keda-metrics-apiserver": (adapter_image, "/bin/keda-adapter")}
+    for d in docs:
+        if d["kind"] != "Deployment":
+            continue
+        pod = d["spec"]["template"]["spec"]
+        pod["nodeSelector"] = {**(pod.get("nodeSelector") or {}), **node_selector}
+        pod["tolerations"] = list(pod.get("tolerations") or []) + REAL_NODE_TOLERATIONS
+        for ctr in pod["containers"]:
+            image, command = images[ctr["name"]]
+            ctr.update(image=image, command=[command], imagePullPolicy="IfNotPresent",
+                       resources={"requests": {"cpu": "20m", "memory": "64Mi"}, "limits": {"memory": "512Mi"}})
+            # readiness gates the APIService; the defaults wait 20 s before the first probe
+            for probe in ("readinessProbe", "livenessProbe"):
+                if probe in ctr:
+                    ctr[probe]["initialDelaySeconds"] = 2 if probe == "readinessProbe" else 30
+                    ctr[probe]["periodSeconds"] = 2 if probe == "readinessProbe" else 10
+    return docs
+
+
+def keda_up(kube, timeout: float = 300) -> None:
+    """Build what is missing, install KEDA's CRDs and controllers, and wait until the API server serves
+    external metrics through KEDA's adapter."""
+    from kubernetes import client
+
+    from . import images
+    from .build import Builder
+
+    if not kube.real_node:
+        raise RuntimeError(f"KEDA needs the real node: {kube.real_node_reason}")
+    t = time.monotonic()
+    Builder().build_all(expand(["keda-controllers"]))
+    op = images.build_binary_image("keda-operator", [provided("keda-controllers", "keda-operator")])
+    adapter = images.build_binary_image("keda-adapter", [provided("keda-controllers", "keda-adapter")])
+    kube.import_images([op, adapter])
+    kube.install_crds(["keda"])
+    kube.apply(keda_manifests(op.ref, adapter.ref, {"kubernetes.io/hostname": kube.real_node}))
+    deadline = time.monotonic() + timeout
+    with kube.api_client() as api:
+        reg = client.ApiregistrationV1Api(api)
+        apps = client.AppsV1Api(api)
+        while True:
+            svc = reg.read_api_service("v1beta1.external.metrics.k8s.io")
+            conds = {c.type: (c.status, c.message) for c in (svc.status.conditions or [])}
+            if conds.get("Available", ("",))[0] == "True":
+                break
+            if time.monotonic() > deadline:
+                deps = {d.metadata.name: (d.status.ready_replicas, d.status.conditions and
+                                          [c.message for c in d.status.conditions])
+                        for d in apps.list_namespaced_deployment(KEDA_NAMESPACE).items}
+                raise TimeoutError(f"KEDA's external metrics API not available after {timeout:.0f}s: {conds}; "
+                                   f"deployments: {deps}")
+            time.sleep(1)
+    _log(f"KEDA {op.ref.rsplit(':', 1)[0]} serving external metrics in {time.monotonic() - t:.0f}s")

@@ -118,7 +118,7 @@ def test_the_sets_name_known_components_and_the_demo_builds_less():
     assert {"source-controller", "kustomize-controller", "kstatus", "helm", "prometheus", "prometheus-operator"}.isdisjoint(
         demo)  # monitoring's controllers are built for the tests, or for a demo that asks for them
     files = components.crd_files()
-    assert set(files) == {"servicemonitor", "prometheusrule", "monitoring", "httproute", "scaledobject"}
+    assert set(files) == {"servicemonitor", "prometheusrule", "monitoring", "httproute", "scaledobject", "keda"}
     assert set(files["servicemonitor"]) < set(files["monitoring"]) and len(files["monitoring"]) == 10
 
 
