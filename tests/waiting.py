@@ -38,3 +38,36 @@ def wait_until(what, fn, timeout=60.0, interval=0.25):
         except Exception as exc:  # noqa: BLE001 - keep polling, report the last error
             return _Raised(exc)
     return wait_for(attempt, timeout, interval, what)
+
+
+class ReplicasWatch:
+    """Every value a Deployment's spec.replicas takes, from a watch (each write is an event: nothing between two
+    samples is missed). `steps()` drops repeats: [1, 2, 1] for a scale up and back."""
+
+    def __init__(self, apps, namespace: str, name: str, timeout_seconds: int = 600):
+        import threading
+
+        from kubernetes import watch
+
+        self.seen: list[int] = []
+        self._watch = watch.Watch()
+        self._thread = threading.Thread(target=self._run, args=(apps, namespace, name, timeout_seconds), daemon=True)
+        self._thread.start()
+
+    def _run(self, apps, namespace, name, timeout_seconds):
+        import urllib3
+
+        try:
+            for ev in self._watch.stream(apps.list_namespaced_deployment, namespace,
+                                         field_selector=f"metadata.name={name}", timeout_seconds=timeout_seconds):
+                self.seen.append(ev["object"].spec.replicas)
+        except urllib3.exceptions.ProtocolError:  # stop() closed the stream under it
+            pass
+
+    def stop(self) -> list[int]:
+        self._watch.stop()
+        self._thread.join(10)
+        return self.seen
+
+    def steps(self) -> list[int]:
+        return [v for i, v in enumerate(self.seen) if i == 0 or v != self.seen[i - 1]]

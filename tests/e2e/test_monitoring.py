@@ -7,6 +7,7 @@ modules, Prometheus as a pod of its own image). Bounded local load only.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -17,6 +18,7 @@ from localcluster.workloads import prerequisites
 from tests.e2e.conftest import REPO, wait_for
 from tests.e2e.real_pods import LOAD_CLIENT, client_pod, exec_in, pod_log, wait_pod_phase
 from tests.e2e.test_real_pods import _kubeconfig, example, ns, on_real_node, real, service_url, svc, wait_ready  # noqa: F401
+from tests.waiting import ReplicasWatch
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -34,9 +36,12 @@ def stack(kube, real):  # noqa: F811 - the fixture imported above
 
 
 @pytest.fixture(scope="module")
-def monitored(kube, real, ns, svc, stack):  # noqa: F811
+def monitored(kube, real, ns, svc, stack, operator):  # noqa: F811
     """A CPU service whose ServiceMonitor carries the labels this Prometheus selects, scraped every 5 s, with
-    autoscaling by KEDA (its CRD only: no controller acts, the ScaledObject's query is what is checked)."""
+    autoscaling by KEDA (its CRD only until the KEDA test starts KEDA), and the operator's own ServiceMonitor.
+    Both ServiceMonitors go in together: Prometheus' config reloader missed a second config change ten seconds
+    after the first one here and picked it up only on its 3-minute poll."""
+    _scrape_the_operator(kube, ns, operator.metrics_port)
     doc = on_real_node(example(), real)
     doc["metadata"]["name"] = NAME
     doc["spec"]["monitoring"] = {"serviceMonitor": {"labels": dict(monitoring.SELECTOR), "interval": "5s"}}
@@ -48,8 +53,50 @@ def monitored(kube, real, ns, svc, stack):  # noqa: F811
     return doc
 
 
+def _scrape_the_operator(kube, ns: str, port: int) -> None:
+    """The chart's metrics ServiceMonitor endpoint (honorLabels and all) for the operator, which runs on this
+    machine here: a Service without selector and its Endpoints at the node's bridge address stand in for the
+    chart's metrics Service."""
+    from localcluster.node import HOST_IP
+
+    endpoint = {**_chart(kube, ns)["ServiceMonitor"]["spec"]["endpoints"][0], "interval": "5s"}
+    labels = {"app.kubernetes.io/name": "embedops-operator", "app.kubernetes.io/component": "metrics"}
+    kube.apply([
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "embedops-operator-metrics", "namespace": ns,
+                                                             "labels": labels},
+         "spec": {"ports": [{"name": "metrics", "port": port, "targetPort": port}]}},
+        {"apiVersion": "v1", "kind": "Endpoints", "metadata": {"name": "embedops-operator-metrics", "namespace": ns,
+                                                               "labels": labels},
+         "subsets": [{"addresses": [{"ip": HOST_IP}], "ports": [{"name": "metrics", "port": port}]}]},
+        {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+         "metadata": {"name": "embedops-operator", "namespace": ns, "labels": dict(monitoring.SELECTOR)},
+         "spec": {"selector": {"matchLabels": labels}, "namespaceSelector": {"matchNames": [ns]},
+                  "endpoints": [endpoint]}}])
+
+
 def _series(stack, promql: str, timeout: float = 60) -> list[dict]:
     return wait_for(lambda: stack.query(promql), timeout=timeout, what=f"Prometheus answers {promql}")
+
+
+@contextlib.contextmanager
+def _load(kube, real, svc, ns: str, name: str, threads: int, seconds: int, texts: list[str]):
+    """A client pod on the real node posting `texts` to the service's /embed from `threads` threads (bounded by
+    `seconds`), started before the body runs and stopped after it; the dict it yields receives the client's
+    summary (ok, failed, latencies) once the pod has stopped."""
+    pod = client_pod(name, real.server_image, LOAD_CLIENT, real.node_selector, {
+        "URL": service_url(NAME, ns) + "/embed", "THREADS": threads, "MAX_SECONDS": seconds,
+        "BODY": json.dumps({"inputs": texts})})
+    svc.core.create_namespaced_pod(ns, pod)
+    summary: dict = {}
+    try:
+        wait_for(lambda: "started" in pod_log(svc.core, ns, name), timeout=120, what=f"{name} started")
+        yield summary
+    finally:
+        exec_in(kube, ns, name, ["python3", "-c", "open('/tmp/stop', 'w').close()"])
+        wait_pod_phase(svc.core, ns, name, ("Succeeded",), timeout=90)
+        lines = [x for x in svc.core.read_namespaced_pod_log(name, ns).splitlines() if x.startswith("{")]
+        summary.update(json.loads(lines[-1]) if lines else {"failed": "no summary"})
+        svc.core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
 
 
 def test_prometheus_selects_the_service_monitor_by_its_labels_and_scrapes_the_pod(kube, ns, svc, stack, monitored):
@@ -87,14 +134,8 @@ def test_queue_size_rises_under_load(kube, real, ns, svc, stack, monitored):
     ScaledObject never scales anything."""
     query = f'max(max_over_time(te_queue_size{{namespace="{ns}",service="{NAME}"}}[30s]))'
     before = float(_series(stack, query)[0]["value"][1])
-    name = "load-monitoring"
     texts = [f"passage {i} about autoscaling embeddings servers on their queue depth " * 6 for i in range(8)]
-    pod = client_pod(name, real.server_image, LOAD_CLIENT, real.node_selector, {
-        "URL": service_url(NAME, ns) + "/embed", "THREADS": 24, "MAX_SECONDS": 60,
-        "BODY": json.dumps({"inputs": texts})})
-    svc.core.create_namespaced_pod(ns, pod)
-    try:
-        wait_for(lambda: "started" in pod_log(svc.core, ns, name), timeout=120, what="load started")
+    with _load(kube, real, svc, ns, "load-monitoring", 24, 60, texts) as summary:
         seen = []
 
         def risen():
@@ -102,14 +143,9 @@ def test_queue_size_rises_under_load(kube, real, ns, svc, stack, monitored):
             seen.append(v)
             return v > 0
         wait_for(risen, timeout=50, what="te_queue_size above 0 under load")
-    finally:
-        exec_in(kube, ns, name, ["python3", "-c", "open('/tmp/stop', 'w').close()"])
-        wait_pod_phase(svc.core, ns, name, ("Succeeded",), timeout=90)
-        summary = [x for x in svc.core.read_namespaced_pod_log(name, ns).splitlines() if x.startswith("{")][-1]
-        svc.core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
     print(f"te_queue_size max over 30 s: {before} at rest, then {seen} under load; load: {summary}")
     assert before == 0
-    assert json.loads(summary)["failed"] == 0
+    assert summary["failed"] == 0
 
 
 def _chart(kube, ns_for_rule: str, *sets: str) -> dict[str, dict]:
@@ -127,44 +163,62 @@ def _chart(kube, ns_for_rule: str, *sets: str) -> dict[str, dict]:
     return {d["kind"]: d for d in yaml.safe_load_all(out) if d and d["kind"] in ("PrometheusRule", "ServiceMonitor")}
 
 
-def test_alerts_load_and_stalled_fires_then_resolves_on_live_data(kube, real, ns, svc, stack, operator, monitored):
-    """The chart's PrometheusRule on the live Prometheus, the operator's /metrics scraped through a ServiceMonitor
-    (the operator runs on this machine here: a Service without selector and its Endpoints at the node's bridge
-    address stand in for the chart's metrics Service), and one alert taken through a real fault: a service
+@pytest.fixture(scope="module")
+def operator_scraped(kube, ns, stack, operator, monitored):
+    """The operator's /metrics scraped as the chart's ServiceMonitor scrapes it (set up by `monitored`)."""
+    # the operator's series, with the labels the alerts and the dashboard aggregate by
+    ready = f'embedops_service_condition{{namespace="{ns}",service="{NAME}",type="Ready",status="True"}} == 1'
+    try:
+        _series(stack, ready, timeout=180)
+    except AssertionError as e:
+        import urllib.request
+
+        pools = [(t["scrapePool"], t["health"], t.get("lastError"), t["scrapeUrl"]) for t in stack.targets()
+                 if "embedops-operator" in t["scrapePool"]]
+        seen = [s["metric"] for s in stack.query("embedops_service_condition")][:6]
+        with urllib.request.urlopen(f"{stack.url}/api/v1/status/config", timeout=10) as r:
+            jobs = [ln.strip() for ln in json.loads(r.read())["data"]["yaml"].splitlines() if "job_name" in ln]
+        with urllib.request.urlopen(f"{stack.url}/api/v1/targets?state=dropped", timeout=10) as r:
+            dropped = len(json.loads(r.read())["data"]["droppedTargets"])
+        raise AssertionError(f"{e}; operator targets: {pools}; embedops_service_condition: {seen}; "
+                             f"jobs: {jobs}; dropped targets: {dropped}") from None
+    assert _series(stack, "embedops_operator_leader == 1")
+
+
+def test_every_dashboard_query_returns_data_under_load(kube, real, ns, svc, stack, monitored, operator_scraped):
+    """Each panel of the chart's dashboard (embedops_operator/dashboard.py) as Grafana would send it for this
+    service, on the live Prometheus after 30 s of load."""
+    from embedops_operator.dashboard import PANELS
+
+    texts = [f"passage {i} for the dashboard's panels " * 6 for i in range(8)]
+    with _load(kube, real, svc, ns, "load-dashboard", 16, 40, texts):
+        time.sleep(30)
+        empty, values = [], {}
+        for _, title, _, queries, _ in PANELS:
+            for expr, legend in queries:
+                q = expr.replace("$namespace", ns).replace("$service", NAME).replace("$__rate_interval", "1m")
+                result = stack.query(q)
+                values[f"{title} / {legend}"] = [round(float(r["value"][1]), 4) for r in result]
+                if not result:
+                    empty.append(f"{title} / {legend}: {q}")
+    print("dashboard under load:\n" + "\n".join(f"  {k}: {v}" for k, v in values.items()))
+    assert not empty, empty
+
+
+def test_alerts_load_and_stalled_fires_then_resolves_on_live_data(kube, real, ns, svc, stack, operator, monitored,
+                                                                  operator_scraped):
+    """The chart's PrometheusRule on the live Prometheus, and one alert taken through a real fault: a service
     whose pod can never be scheduled is Stalled (the e2e operator decides that after 10 s), the alert fires,
     and resolves once the service is gone. `for` is 0 s here; the promtool tests check the real ones."""
-    from localcluster.node import HOST_IP
-
-    port = operator.metrics_port
-    chart = _chart(kube, ns, "alerts.for.stalled=0s")
-    endpoint = {**chart["ServiceMonitor"]["spec"]["endpoints"][0], "interval": "5s"}  # as the chart scrapes it
-    labels = {"app.kubernetes.io/name": "embedops-operator", "app.kubernetes.io/component": "metrics"}
-    kube.apply([
-        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "embedops-operator-metrics", "namespace": ns,
-                                                             "labels": labels},
-         "spec": {"ports": [{"name": "metrics", "port": port, "targetPort": port}]}},
-        {"apiVersion": "v1", "kind": "Endpoints", "metadata": {"name": "embedops-operator-metrics", "namespace": ns,
-                                                               "labels": labels},
-         "subsets": [{"addresses": [{"ip": HOST_IP}], "ports": [{"name": "metrics", "port": port}]}]},
-        {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
-         "metadata": {"name": "embedops-operator", "namespace": ns, "labels": dict(monitoring.SELECTOR)},
-         "spec": {"selector": {"matchLabels": labels}, "namespaceSelector": {"matchNames": [ns]},
-                  "endpoints": [endpoint]}},
-        chart["PrometheusRule"]])
+    kube.apply([_chart(kube, ns, "alerts.for.stalled=0s")["PrometheusRule"]])
 
     def loaded():
         groups = {g["name"]: g for g in stack.rule_groups()}
         if {"embedops.services", "embedops.operator"} <= set(groups):
             return groups
-    groups = wait_for(loaded, timeout=90, what="the chart's rule groups loaded by Prometheus")
+    groups = wait_for(loaded, timeout=240, what="the chart's rule groups loaded by Prometheus")
     rules = [r for g in groups.values() for r in g["rules"]]
     assert len(rules) == 10
-
-    # the operator's series, with the labels the alerts aggregate by
-    ready = _series(stack, f'embedops_service_condition{{namespace="{ns}",service="{NAME}",type="Ready",'
-                           f'status="True"}} == 1', timeout=90)
-    assert ready
-    assert _series(stack, "embedops_operator_leader == 1")
 
     stuck = on_real_node(example(), real)
     stuck["metadata"]["name"] = "stuck"
@@ -184,3 +238,57 @@ def test_alerts_load_and_stalled_fires_then_resolves_on_live_data(kube, real, ns
           f"{resolved_after:.0f} s after it was deleted")
     health = {r["name"]: (r["health"], r.get("lastError", "")) for g in stack.rule_groups() for r in g["rules"]}
     assert all(h == "ok" for h, _ in health.values()), health
+
+
+def test_keda_scales_the_service_up_under_load_and_back_down(kube, real, ns, svc, stack, monitored):
+    """KEDA's operator and metrics adapter (pods on the real node, served through the API server's aggregation
+    layer) read the ScaledObject the operator renders, query this Prometheus with it and scale the Deployment
+    1 -> 2 under load and back to 1 after the cooldown. Every value spec.replicas takes is watched: it moves
+    1 -> 2 -> 1 with no fight between writers, and the operator never takes the field."""
+    monitoring.keda_up(kube)
+    svc.co.patch_namespaced_custom_object("embedops.dev", "v1alpha1", ns, "embeddingservices", NAME, {
+        "spec": {"autoscaling": {"minReplicas": 1, "maxReplicas": 2, "targetQueueDepth": 4, "cooldownSeconds": 20}}})
+
+    def scaled_object_ready():
+        so = svc.co.get_namespaced_custom_object("keda.sh", "v1alpha1", ns, "scaledobjects", NAME)
+        conds = {c["type"]: c["status"] for c in (so.get("status") or {}).get("conditions") or []}
+        return so if conds.get("Ready") == "True" and so["spec"]["advanced"] else None
+    so = wait_for(scaled_object_ready, timeout=120, what="ScaledObject Ready (KEDA made its HPA)")
+    print(f"ScaledObject status: {so['status'].get('hpaName')}, {so['status'].get('externalMetricNames')}")
+
+    replicas = ReplicasWatch(svc.apps, ns, NAME)
+    texts = [f"passage {i} about autoscaling embeddings servers on their queue depth " * 6 for i in range(8)]
+    with _load(kube, real, svc, ns, "load-keda", 24, 300, texts) as summary:
+        t0 = time.monotonic()
+        wait_for(lambda: svc.deployment(NAME).spec.replicas == 2, timeout=180, what="KEDA scales to 2 under load")
+        up_after = time.monotonic() - t0
+        wait_for(lambda: svc.get(NAME)["status"].get("replicasSummary") == "2/2", timeout=180, what="2/2 ready")
+        row = next(r for r in _get_embsvc(svc, ns) if r["Name"] == NAME)
+        print(f"kubectl get embsvc: {row}")
+        assert row["Replicas"] == "2/2"
+    t1 = time.monotonic()
+    wait_for(lambda: svc.deployment(NAME).spec.replicas == 1, timeout=240, what="KEDA scales back to 1")
+    down_after = time.monotonic() - t1
+    time.sleep(3)
+    replicas.stop()
+    d = svc.deployment(NAME)
+    owners = [m.manager for m in d.metadata.managed_fields if '"f:replicas"' in json.dumps(m.fields_v1)]
+    steps = replicas.steps()
+    print(f"KEDA: 1 -> 2 {up_after:.0f} s after the load started, 2 -> 1 {down_after:.0f} s after it stopped "
+          f"(cooldown 20 s); spec.replicas took {steps}; owners of replicas {owners}; load: {summary}")
+    assert steps == [1, 2, 1], replicas.seen
+    assert "embedops" not in owners, owners
+    assert summary["failed"] == 0
+
+
+def _get_embsvc(svc, ns: str) -> list[dict[str, str]]:
+    """What `kubectl get embsvc` prints: the API server's Table rendering of the CRD's printer columns."""
+    api = svc.co.api_client
+    method, url, headers, _, _ = api.param_serialize(
+        "GET", f"/apis/embedops.dev/v1alpha1/namespaces/{ns}/embeddingservices",
+        header_params={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"}, auth_settings=["BearerToken"])
+    r = api.call_api(method, url, header_params=headers)
+    r.read()
+    table = json.loads(r.data)
+    names = [c["name"] for c in table["columnDefinitions"]]
+    return [dict(zip(names, (str(c) for c in row["cells"]))) for row in table["rows"]]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.operator_process import delete_cluster_scoped
-from tests.waiting import wait_until as wait_for
+from tests.waiting import ReplicasWatch, wait_until as wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -305,29 +305,6 @@ def test_kubectl_scale(ctx, operator):
     wait_for("1/1", lambda: ctx.get_es("minilm")["status"]["replicasSummary"] == "1/1", 60)
 
 
-class ReplicasWatch:
-    """Every value a Deployment's spec.replicas takes, from a watch (each write is an event: nothing between two
-    samples is missed)."""
-
-    def __init__(self, ctx, name: str):
-        from kubernetes import watch
-
-        self.seen: list[int] = []
-        self._watch = watch.Watch()
-        self._thread = threading.Thread(target=self._run, args=(ctx, name), daemon=True)
-        self._thread.start()
-
-    def _run(self, ctx, name):
-        for ev in self._watch.stream(ctx.apps.list_namespaced_deployment, NS, field_selector=f"metadata.name={name}",
-                                     timeout_seconds=300):
-            self.seen.append(ev["object"].spec.replicas)
-
-    def stop(self) -> list[int]:
-        self._watch.stop()
-        self._thread.join(10)
-        return self.seen
-
-
 def test_turning_autoscaling_on_and_off_never_drops_running_replicas(ctx, operator):
     """A running service with 3 replicas switched to autoscaling (min 3) and back: the operator stops sending
     `replicas`, which the API server would default to 1 were the operator its only owner. It hands the live
@@ -338,7 +315,7 @@ def test_turning_autoscaling_on_and_off_never_drops_running_replicas(ctx, operat
     fixed = {**CPU_SPEC, "replicas": 3}
     ctx.apply_es("minilm", fixed)
     wait_for("3/3", lambda: ctx.get_es("minilm")["status"].get("replicasSummary") == "3/3", 120)
-    watch = ReplicasWatch(ctx, "minilm")
+    watch = ReplicasWatch(ctx.apps, NS, "minilm", timeout_seconds=300)
     try:
         ctx.apply_es("minilm", {**CPU_SPEC, "autoscaling": {"minReplicas": 3, "maxReplicas": 6}})
         es = ctx.wait_condition("minilm", "AutoscalingReady", "True", timeout=60)
