@@ -67,6 +67,14 @@ def unwatch(controller) -> None:
             LEADER.set(0)
 
 
+def _restarts(pod: dict) -> int:
+    """Restarts of all of a pod's containers, init containers included: a model that cannot load fails in the
+    init container that prepares it (Init:CrashLoopBackOff), found on a real node reading 0 restarts here."""
+    st = pod.get("status") or {}
+    return sum(cs.get("restartCount") or 0
+               for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []))
+
+
 class _ControllerCollector:
     def collect(self) -> Iterator[Metric]:
         with _lock:
@@ -95,9 +103,7 @@ class _ControllerCollector:
                         cond.add_metric([ns, name, x.get("type", ""), s], 1.0 if x.get("status") == s else 0.0)
                 replicas.add_metric([ns, name, "desired"], float(st.get("replicas") or 0))
                 replicas.add_metric([ns, name, "ready"], float(st.get("readyReplicas") or 0))
-                restarts.add_metric([ns, name], float(sum(
-                    cs.get("restartCount") or 0 for p in c.pods_of(ns, name)
-                    for cs in (p.get("status") or {}).get("containerStatuses") or [])))
+                restarts.add_metric([ns, name], float(sum(_restarts(p) for p in c.pods_of(ns, name))))
                 p99 = ((es.get("spec") or {}).get("monitoring") or {}).get("p99LatencySeconds")
                 if p99:
                     budget.add_metric([ns, name], float(p99))

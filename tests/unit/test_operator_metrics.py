@@ -23,7 +23,9 @@ class FakeController:
         if name != "bge":
             return []
         return [{"status": {"containerStatuses": [{"restartCount": 3}]}},
-                {"status": {"containerStatuses": [{"restartCount": 1}, {"restartCount": 0}]}}]
+                {"status": {"containerStatuses": [{"restartCount": 1}, {"restartCount": 0}]}},
+                # a model that cannot load crash-loops in the init container that prepares it
+                {"status": {"initContainerStatuses": [{"restartCount": 5}], "containerStatuses": [{"restartCount": 0}]}}]
 
 
 def samples() -> dict[tuple, float]:
@@ -50,7 +52,7 @@ def test_services_conditions_replicas_restarts_and_budget_come_from_the_controll
     assert cond("Stalled", "True") == 1
     assert got[("embedops_service_replicas", (("namespace", "ml"), ("service", "bge"), ("state", "desired")))] == 2
     assert got[("embedops_service_replicas", (("namespace", "ml"), ("service", "bge"), ("state", "ready")))] == 1
-    assert got[("embedops_service_pod_restarts", (("namespace", "ml"), ("service", "bge")))] == 4
+    assert got[("embedops_service_pod_restarts", (("namespace", "ml"), ("service", "bge")))] == 9
     assert got[("embedops_service_p99_budget_seconds", (("namespace", "ml"), ("service", "bge")))] == 0.25
     assert ("embedops_service_p99_budget_seconds", (("namespace", "ml"), ("service", "plain"))) not in got
     assert got[("embedops_operator_workqueue_depth", ())] == 1
