@@ -95,6 +95,12 @@ CASES = {
         [series("embedops_service_pod_restarts", {**OP, **SVC}, "0x5 1 2 3 4 5 6 7 8x20")],
         [alert("EmbeddingServicePodsRestarting", "5m", []),
          alert("EmbeddingServicePodsRestarting", "16m", [fired("warning", **SVC)])]),
+    # a deleted service's series goes stale; increase() over 15 min would still see its old samples and keep
+    # the alert firing for up to 15 minutes after the delete (seen on the live Prometheus)
+    "restarts, then the service is deleted": (
+        [series("embedops_service_pod_restarts", {**OP, **SVC}, "0 1 2 3 4 5 6 7 8x10 stale")],
+        [alert("EmbeddingServicePodsRestarting", "18m", [fired("warning", **SVC)]),
+         alert("EmbeddingServicePodsRestarting", "20m", [])]),
     "not ready and stalled": (
         [series("embedops_service_condition", {**OP, **SVC, "type": "Ready", "status": "False"}, "1x30"),
          series("embedops_service_condition", {**OP, **SVC, "type": "Stalled", "status": "True"}, "0x10 1x20")],
