@@ -148,6 +148,12 @@ def test_queue_size_rises_under_load(kube, real, ns, svc, stack, monitored):
     assert summary["failed"] == 0
 
 
+def _chart_values() -> dict:
+    import yaml
+
+    return yaml.safe_load((REPO / "charts" / "embedops-operator" / "values.yaml").read_text())
+
+
 def _chart(kube, ns_for_rule: str, *sets: str) -> dict[str, dict]:
     """The chart's PrometheusRule and ServiceMonitor, by kind."""
     import subprocess
@@ -210,7 +216,9 @@ def test_alerts_load_and_stalled_fires_then_resolves_on_live_data(kube, real, ns
     """The chart's PrometheusRule on the live Prometheus, and one alert taken through a real fault: a service
     whose pod can never be scheduled is Stalled (the e2e operator decides that after 10 s), the alert fires,
     and resolves once the service is gone. `for` is 0 s here; the promtool tests check the real ones."""
-    kube.apply([_chart(kube, ns, "alerts.for.stalled=0s")["PrometheusRule"]])
+    # every `for` at 0 s, once: a second rule change could wait for the config reloader's 3-minute poll
+    kube.apply([_chart(kube, ns, *(f"alerts.for.{k}=0s" for k in _chart_values()["alerts"]["for"]))
+                ["PrometheusRule"]])
 
     def loaded():
         groups = {g["name"]: g for g in stack.rule_groups()}
@@ -238,6 +246,52 @@ def test_alerts_load_and_stalled_fires_then_resolves_on_live_data(kube, real, ns
           f"{resolved_after:.0f} s after it was deleted")
     health = {r["name"]: (r["health"], r.get("lastError", "")) for g in stack.rule_groups() for r in g["rules"]}
     assert all(h == "ok" for h, _ in health.values()), health
+
+
+def _firing(alert: str, ns: str, service: str) -> str:
+    return f'ALERTS{{alertname="{alert}",alertstate="firing",namespace="{ns}",service="{service}"}}'
+
+
+def test_alerts_fire_on_overload_and_on_a_model_that_cannot_load(kube, real, ns, svc, stack, operator, monitored,
+                                                                 operator_scraped):
+    """Two more faults through the chart's rules (loaded with every `for` at 0 s by the test above):
+    - a model that cannot load (a path the model volume lacks): the init container that prepares it
+      crash-loops (Init:CrashLoopBackOff; the operator counted only app containers' restarts until this test);
+      EmbeddingServiceNoReadyReplica and EmbeddingServicePodsRestarting fire, and resolve once it is deleted;
+    - overload: 24 clients of 32 inputs each keep ~768 inputs in flight against the server's 512; the server
+      refuses with 429 and EmbeddingServiceOverloaded fires; with the manifest's p99 budget lowered to 0.25 s
+      EmbeddingServiceLatencyOverBudget fires for this service (the rule joins on the operator's budget
+      series)."""
+    broken = on_real_node(example(), real)
+    broken["metadata"]["name"] = "broken"
+    broken["spec"]["model"]["id"] = "/models/no-such-model"
+    broken["spec"]["monitoring"] = {"serviceMonitor": {"enabled": False}}
+    svc.create(broken)
+    t = time.monotonic()
+    try:
+        svc.co.patch_namespaced_custom_object("embedops.dev", "v1alpha1", ns, "embeddingservices", NAME, {
+            "spec": {"monitoring": {"p99LatencySeconds": 0.25}}})
+        texts = [f"passage {i} sent to a server past its in-flight limit " * 4 for i in range(32)]
+        with _load(kube, real, svc, ns, "load-overload", 24, 120, texts) as summary:
+            overloaded = _series(stack, _firing("EmbeddingServiceOverloaded", ns, NAME), timeout=90)
+            over_budget = _series(stack, _firing("EmbeddingServiceLatencyOverBudget", ns, NAME), timeout=90)
+        no_ready = _series(stack, _firing("EmbeddingServiceNoReadyReplica", ns, "broken"), timeout=120)
+        restarting = _series(stack, _firing("EmbeddingServicePodsRestarting", ns, "broken"), timeout=300)
+        restarting_after = time.monotonic() - t
+        condition = svc.get("broken")["status"]["conditions"]
+    finally:
+        svc.delete("broken")
+        svc.co.patch_namespaced_custom_object("embedops.dev", "v1alpha1", ns, "embeddingservices", NAME, {
+            "spec": {"monitoring": {"p99LatencySeconds": None}}})
+    wait_for(lambda: not stack.query(_firing("EmbeddingServicePodsRestarting", ns, "broken")), timeout=120,
+             what="EmbeddingServicePodsRestarting resolved")
+    assert not stack.query(_firing("EmbeddingServiceNoReadyReplica", ns, "broken"))
+    refused = (summary.get("failures") or {})
+    print(f"overload: {summary}; broken model: NoReadyReplica and PodsRestarting firing "
+          f"({restarting_after:.0f} s after it was created); its conditions: "
+          f"{[(c['type'], c['status'], c.get('reason')) for c in condition]}")
+    assert overloaded and over_budget and no_ready and restarting
+    assert any("429" in str(k) for k in refused), refused
 
 
 def test_keda_scales_the_service_up_under_load_and_back_down(kube, real, ns, svc, stack, monitored):
