@@ -1,7 +1,11 @@
 """Polling helper shared by the cluster, integration and e2e tests."""
 from __future__ import annotations
 
+import threading
 import time
+
+import urllib3
+from kubernetes import watch
 
 
 def wait_for(fn, timeout=60.0, interval=0.25, what="condition"):
@@ -45,18 +49,12 @@ class ReplicasWatch:
     samples is missed). `steps()` drops repeats: [1, 2, 1] for a scale up and back."""
 
     def __init__(self, apps, namespace: str, name: str, timeout_seconds: int = 600):
-        import threading
-
-        from kubernetes import watch
-
         self.seen: list[int] = []
         self._watch = watch.Watch()
         self._thread = threading.Thread(target=self._run, args=(apps, namespace, name, timeout_seconds), daemon=True)
         self._thread.start()
 
     def _run(self, apps, namespace, name, timeout_seconds):
-        import urllib3
-
         try:
             for ev in self._watch.stream(apps.list_namespaced_deployment, namespace,
                                          field_selector=f"metadata.name={name}", timeout_seconds=timeout_seconds):

@@ -22,6 +22,10 @@ def _q(quantile: str, metric: str) -> str:
     return f"histogram_quantile({quantile}, sum by (le) (rate({metric}_bucket{{{SEL}}}[{RATE}])))"
 
 
+def _mean(metric: str) -> str:
+    return f"sum(rate({metric}_sum{{{SEL}}}[{RATE}])) / sum(rate({metric}_count{{{SEL}}}[{RATE}]))"
+
+
 # (row, title, unit, [(PromQL, legend)], description)
 PANELS: list[tuple[str, str, str, list[tuple[str, str]], str]] = [
     ("Traffic", "Requests", "reqps",
@@ -49,12 +53,10 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]], str]] = [
       (_q("0.5", "te_request_inference_duration"), "inference p50")],
      "Where the time goes: waiting for a batch vs. the forward pass (per-input averages of each request)."),
     ("Batching", "Batch size", "short",
-     [(f"sum(rate(te_batch_next_size_sum{{{SEL}}}[{RATE}])) / sum(rate(te_batch_next_size_count{{{SEL}}}[{RATE}]))",
-       "inputs per batch (mean)"), (_q("0.99", "te_batch_next_size"), "p99")],
+     [(_mean("te_batch_next_size"), "inputs per batch (mean)"), (_q("0.99", "te_batch_next_size"), "p99")],
      "Inputs per forward pass: how much fixed cost is shared."),
     ("Batching", "Tokens per batch", "short",
-     [(f"sum(rate(te_batch_next_tokens_sum{{{SEL}}}[{RATE}])) / sum(rate(te_batch_next_tokens_count{{{SEL}}}[{RATE}]))",
-       "tokens per batch (mean)"), (_q("0.99", "te_batch_next_tokens"), "p99")],
+     [(_mean("te_batch_next_tokens"), "tokens per batch (mean)"), (_q("0.99", "te_batch_next_tokens"), "p99")],
      "Real (unpadded) tokens per forward pass, against batching.maxBatchTokens."),
     ("Capacity", "Queue size per pod", "short",
      [(f"sum by (pod) (te_queue_size{{{SEL}}})", "{{pod}}")],

@@ -78,6 +78,10 @@ def _series(stack, promql: str, timeout: float = 60) -> list[dict]:
     return wait_for(lambda: stack.query(promql), timeout=timeout, what=f"Prometheus answers {promql}")
 
 
+def _firing(alert: str, ns: str, service: str) -> str:
+    return f'ALERTS{{alertname="{alert}",alertstate="firing",namespace="{ns}",service="{service}"}}'
+
+
 @contextlib.contextmanager
 def _load(kube, real, svc, ns: str, name: str, threads: int, seconds: int, texts: list[str]):
     """A client pod on the real node posting `texts` to the service's /embed from `threads` threads (bounded by
@@ -233,7 +237,7 @@ def test_alerts_load_and_stalled_fires_then_resolves_on_live_data(kube, real, ns
     stuck["spec"]["nodeSelector"] = {"embedops.dev/no-such-pool": "anywhere"}
     stuck["spec"]["monitoring"] = {"serviceMonitor": {"enabled": False}}
     svc.create(stuck)
-    firing = f'ALERTS{{alertname="EmbeddingServiceStalled",alertstate="firing",namespace="{ns}",service="stuck"}}'
+    firing = _firing("EmbeddingServiceStalled", ns, "stuck")
     t = time.monotonic()
     try:
         _series(stack, firing, timeout=120)
@@ -246,10 +250,6 @@ def test_alerts_load_and_stalled_fires_then_resolves_on_live_data(kube, real, ns
           f"{resolved_after:.0f} s after it was deleted")
     health = {r["name"]: (r["health"], r.get("lastError", "")) for g in stack.rule_groups() for r in g["rules"]}
     assert all(h == "ok" for h, _ in health.values()), health
-
-
-def _firing(alert: str, ns: str, service: str) -> str:
-    return f'ALERTS{{alertname="{alert}",alertstate="firing",namespace="{ns}",service="{service}"}}'
 
 
 def test_alerts_fire_on_overload_and_on_a_model_that_cannot_load(kube, real, ns, svc, stack, operator, monitored,

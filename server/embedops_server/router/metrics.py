@@ -11,13 +11,14 @@ from prometheus_client import CollectorRegistry, disable_created_metrics, Gauge,
 
 disable_created_metrics()  # TEI exports no *_created series
 
-# TEI's duration buckets: 35 geometric buckets from 15 us, x1.5 each.
 # Every value te_request_failure's `err` label takes (router/errors.py, router/state.py). Exported at 0 from
 # the start: a series that appears only with the first failure makes rate() and ratios over it "no data"
 # instead of 0 (the dashboard's 429 share panel was empty on a healthy service, found on a live Prometheus).
 FAILURE_CAUSES = ("validation", "tokenization", "batch_size", "model_type", "overloaded", "inference",
                   "unhealthy", "dropped")
 METHODS = ("single", "batch")
+
+# TEI's duration buckets: 35 geometric buckets from 15 us, x1.5 each.
 DURATION_BUCKETS = [1.5e-5 * 1.5 ** i for i in range(35)]
 
 
