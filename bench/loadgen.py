@@ -67,6 +67,12 @@ class RunStats:
     texts_s: float = 0.0
     tokens_s: float = 0.0
     server_p50_ms: dict = field(default_factory=dict)  # medians of the server's timing headers
+    # embedops' Server-Timing stages (ms, means) of the slowest 1% of requests and of the middle 10% (p45-p55),
+    # with "client" = client latency - the server's total (HTTP server, socket, the load generator): which stage
+    # the tail comes from. Empty for servers that do not send the header.
+    tail_ms: dict = field(default_factory=dict)
+    median_ms: dict = field(default_factory=dict)
+    tail_n: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -99,12 +105,53 @@ def summarize(samples: Sequence[Sample], wall_s: float | None = None) -> RunStat
         heads = [s.server_ms for s in good if s.server_ms]
         if heads:
             for k in heads[0]:
-                st.server_p50_ms[k] = percentile([h[k] for h in heads if k in h], 50)
+                if k in TIMING_KEYS:
+                    st.server_p50_ms[k] = percentile([h[k] for h in heads if k in h], 50)
+        st.tail_ms, st.median_ms, st.tail_n = tail_breakdown(good)
     if wall_s > 0:
         st.req_s = len(good) / wall_s
         st.texts_s = sum(s.n_texts for s in good) / wall_s
         st.tokens_s = sum(s.n_tokens for s in good) / wall_s
     return st
+
+
+def _mean_stages(samples: Sequence[Sample]) -> dict:
+    rows = [s for s in samples if s.server_ms and "st_total" in s.server_ms]
+    if not rows:
+        return {}
+    out = {}
+    for k in STAGES + ("total", "batch"):
+        vals = [s.server_ms.get("st_" + k, 0.0) for s in rows]
+        out[k] = sum(vals) / len(vals)
+    out["client"] = sum(s.latency * 1000 - s.server_ms["st_total"] for s in rows) / len(rows)
+    out["beside"] = sum(s.server_ms.get("st_beside", 0.0) for s in rows) / len(rows)
+    out["latency"] = sum(s.latency * 1000 for s in rows) / len(rows)
+    return out
+
+
+def tail_breakdown(good: Sequence[Sample]) -> tuple[dict, dict, int]:
+    """Mean Server-Timing stages of the slowest 1% (at least one request) and of the p45-p55 band."""
+    timed = sorted((s for s in good if s.server_ms and "st_total" in s.server_ms), key=lambda s: s.latency)
+    if len(timed) < 20:
+        return {}, {}, 0
+    k = max(1, len(timed) // 100)
+    mid = timed[int(len(timed) * 0.45): max(int(len(timed) * 0.55), int(len(timed) * 0.45) + 1)]
+    return _mean_stages(timed[-k:]), _mean_stages(mid), k
+
+
+def parse_server_timing(value: str) -> dict:
+    """`Server-Timing: parse;dur=0.1, ..., batch;desc=16` -> {"st_parse": 0.1, ..., "st_batch": 16.0}."""
+    out = {}
+    for part in value.split(","):
+        name, _, params = part.strip().partition(";")
+        for p in params.split(";"):
+            key, _, v = p.strip().partition("=")
+            if key in ("dur", "desc"):
+                try:
+                    out["st_" + name] = float(v.strip('"'))
+                except ValueError:
+                    pass
+    return out
 
 
 def check_loopback(url: str) -> None:
@@ -114,6 +161,8 @@ def check_loopback(url: str) -> None:
 
 
 TIMING_HEADERS = ("x-total-time", "x-tokenization-time", "x-queue-time", "x-inference-time")
+TIMING_KEYS = tuple(h[2:-5] for h in TIMING_HEADERS)
+STAGES = ("parse", "tokenize", "queue", "slot", "forward", "wake", "respond")  # embedops' Server-Timing
 CHECK_EVERY = 10  # parse and check 1 response body in 10 (and the first ones): JSON parsing of big
 # embedding responses in the client would otherwise take CPU from the server on a small machine
 
@@ -148,6 +197,8 @@ async def _send(session: aiohttp.ClientSession, url: str, req: Request,
                         sm[h[2:-5]] = float(r.headers[h])
                     except (KeyError, ValueError):
                         pass
+                if "server-timing" in r.headers:
+                    sm.update(parse_server_timing(r.headers["server-timing"]))
             return Sample(t0, lat, ok, r.status, req.n_texts, req.n_tokens, err, sm)
     except asyncio.CancelledError:
         return Sample(t0, time.perf_counter() - t0, False, 0, req.n_texts, req.n_tokens, "cancelled")

@@ -128,6 +128,7 @@ def table(res: dict) -> str:
             f"{_f(r.get('vs_naive-encode'), '{:.2f}'):>8} {_f(r.get('vs_inline-encode'), '{:.2f}'):>8} "
             f"{_f(r.get('p99_vs_infinity'), '{:.2f}'):>8} {_f(r.get('over_ceiling_ms'), '{:+.1f}'):>11}")
     lines += tei_ratio_lines(res)
+    lines += tail_lines(res)
     if res.get("rss"):
         lines += ["", "peak RSS (MB): " + ", ".join(f"{k} {v['peak_rss_mb']:.0f}" + (
             f" (GPU {v['gpu_mem_mb']:.0f} MB)" if v.get("gpu_mem_mb") else "") for k, v in res["rss"].items())]
@@ -139,6 +140,30 @@ def table(res: dict) -> str:
         lines += ["", f"machine: {mb.get('cpus')} CPUs {mb.get('cpu_model')}, load avg before "
                       f"{mb.get('loadavg')}, after {ma.get('loadavg')}; {m.get('total_s')} s total"]
     return "\n".join(lines)
+
+
+TAIL_COLS = ("client", "parse", "tokenize", "queue", "slot", "forward", "wake", "respond")
+
+
+def tail_lines(res: dict) -> list[str]:
+    """Where the time of the slowest 1% of requests went, against the middle band (p45-p55), from embedops'
+    Server-Timing stages (ms, means; `client` = client latency - server total: the HTTP server, the socket and
+    the load generator). The stage whose figure grows most from `mid` to `p99+` is where the tail comes from."""
+    rows = [r for r in res["rows"] if r.get("tail_ms")]
+    if not rows:
+        return []
+    hdr = (f"{'scenario':<10} {'target':<26} {'c':>3} {'band':<5} {'ms':>7} "
+           + " ".join(f"{c[:8]:>8}" for c in TAIL_COLS) + f" {'batch':>6} {'beside':>6}")
+    lines = ["", "where the time goes: slowest 1% (p99+) against the middle (p45-p55), server stages in ms",
+             hdr, "-" * len(hdr)]
+    for r in sorted(rows, key=lambda r: (_scen_key(r["scenario"]), r["target"])):
+        for band, d in (("mid", r.get("median_ms") or {}), ("p99+", r["tail_ms"])):
+            lines.append(
+                f"{r['scenario']:<10} {_base(r['target']):<26} {r.get('concurrency') or '':>3} {band:<5} "
+                f"{_f(d.get('latency')):>7} " + " ".join(f"{_f(d.get(c), '{:.2f}'):>8}" for c in TAIL_COLS)
+                + f" {_f(d.get('batch')):>6} {_f(d.get('beside'), '{:.2f}'):>6}")
+        lines.append(f"{'':<10} {'':<26} {'':>3} {'n':<5} {r.get('tail_n', 0):>7} requests in the p99+ band")
+    return lines
 
 
 def targets_check(res: dict) -> list[str]:

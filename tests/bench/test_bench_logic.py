@@ -209,3 +209,30 @@ def test_profile_overrides_keep_the_rest():
     p = customize(full, concurrencies=[16, 64], duration_s=20)
     assert p.concurrencies == [16, 64] and p.duration_s == 20 and p.mixed_duration_s == 20
     assert p.ingest_requests == full.ingest_requests and full.concurrencies == [4, 16, 32, 64]
+
+
+def test_server_timing_parsed_and_tail_broken_down_by_stage():
+    from bench.loadgen import parse_server_timing, tail_breakdown
+
+    st = parse_server_timing('parse;dur=0.5, tokenize;dur=0.2, queue;dur=1, slot;dur=0, forward;dur=5.25, '
+                             'wake;dur=0.3, respond;dur=0.25, total;dur=7.5, batch;desc=16, beside;desc="1", x;y=2')
+    assert st == {"st_parse": 0.5, "st_tokenize": 0.2, "st_queue": 1.0, "st_slot": 0.0, "st_forward": 5.25,
+                  "st_wake": 0.3, "st_respond": 0.25, "st_total": 7.5, "st_batch": 16.0, "st_beside": 1.0}
+    # 200 requests: the slowest two lost their time in the forward, the rest in nothing special
+    samples = []
+    for i in range(200):
+        fwd = 100.0 if i >= 198 else 5.0
+        sm = {"st_parse": 0.5, "st_queue": 1.0, "st_forward": fwd, "st_total": fwd + 1.5, "st_batch": 4.0}
+        samples.append(Sample(float(i), (fwd + 2.5) / 1000, True, 200, 1, 16, server_ms=sm))
+    tail, mid, n = tail_breakdown(samples)
+    assert n == 2
+    assert tail["forward"] == pytest.approx(100.0) and mid["forward"] == pytest.approx(5.0)
+    assert tail["client"] == pytest.approx(1.0) and tail["latency"] == pytest.approx(102.5)
+    assert tail["batch"] == 4.0 and tail["tokenize"] == 0.0  # a stage a server did not send counts as 0
+    st = summarize(samples)
+    assert st.tail_n == 2 and st.tail_ms["forward"] == pytest.approx(100.0)
+    assert st.server_p50_ms == {}  # only the x-*-time headers go there, not the Server-Timing stages
+    assert summarize(samples[:10]).tail_ms == {}  # too few to speak of a 1% tail
+    res = {"rows": [{"scenario": "2-c16", "target": "embedops-onnx", "concurrency": 16, **st.as_dict()}]}
+    text = "\n".join(report.tail_lines(res))
+    assert "p99+" in text and "100.00" in text

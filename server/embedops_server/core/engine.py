@@ -73,10 +73,16 @@ def multi_result(out: BatchOutput, r: int, outputs: tuple[str, ...]) -> dict:
 
 
 class Request:
-    """One HTTP request's worth of inputs travelling through the engine."""
+    """One HTTP request's worth of inputs travelling through the engine.
+
+    Its timeline (perf_counter seconds; 0 until reached), which the router sends as `Server-Timing` so that a
+    client or the bench can say which stage a slow request lost its time in: submitted (t_start) -> tokenized
+    (t_tokenized) -> its last input taken into a batch (t_batched) -> first forward starts (t_forward) -> last
+    forward ends (t_forwarded) -> the event loop resumes the handler (t_done)."""
     __slots__ = (
         "future", "loop", "n", "remaining", "results", "need_tokens", "cancelled", "done",
         "t_start", "t_tokenized", "t_queue", "t_infer", "tokens", "outputs",
+        "t_batched", "t_forward", "t_forwarded", "t_done", "batch_rows", "beside",
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, n: int, need_tokens: bool,
@@ -94,6 +100,9 @@ class Request:
         self.t_queue = 0.0  # summed over inputs (divided by n for the per-input average)
         self.t_infer = 0.0
         self.tokens = 0
+        self.t_batched = self.t_forward = self.t_forwarded = self.t_done = 0.0
+        self.batch_rows = 0  # inputs in the largest forward this request's inputs were part of
+        self.beside = False  # one of its forwards ran beside another one (parallel_forwards)
         # multi-output request (bge-m3): each result is a dict of these outputs; None: the pooled vector
         self.outputs = outputs
 
@@ -202,6 +211,9 @@ class Engine:
             self.stats.on_dropped(len(dropped))
         if not entries:
             return None
+        t = time.perf_counter()
+        for e in entries:
+            e.request.t_batched = t
         try:
             batch = self._build(entries)
         except Exception as e:  # never lose the entries silently
@@ -310,8 +322,15 @@ class Engine:
         finally:
             self._forward_done()  # the look-ahead slot may be refilled while we post-process
         finished = []
+        rows = len(entries)
         for r, e in enumerate(entries):
             req = e.request
+            if not req.t_forward:
+                req.t_forward = t0
+            req.t_forwarded = t1
+            if rows > req.batch_rows:
+                req.batch_rows = rows
+            req.beside = req.beside or batch.parallel
             if req.outputs:
                 req.results[e.index] = multi_result(out, r, req.outputs)
             else:
@@ -357,7 +376,9 @@ class Engine:
 
 
 def _finish_all(reqs: list[Request]) -> None:
+    t = time.perf_counter()
     for req in reqs:
+        req.t_done = t
         if not req.future.done():
             req.future.set_result(req.results)
 

@@ -17,6 +17,7 @@ from ..settings import Settings
 from . import errors, openapi, routes_compat, routes_m3, routes_tei
 from .errors import error_response
 from .middleware import GuardMiddleware
+from .timing import TimingMiddleware
 from .routes_tei import json_response
 from .schemas import INFO_OK
 from .state import AppState
@@ -146,7 +147,7 @@ def create_app(settings: Settings, service=None,
             "docker_label": None, "prompts": sorted(i.prompts), **routes_m3.m3_info(svc),
         })
 
-    outer = GuardMiddleware(app, settings.payload_limit, settings.api_key)
+    outer = TimingMiddleware(GuardMiddleware(app, settings.payload_limit, settings.api_key))
     if settings.cors_allow_origin:
         from starlette.middleware.cors import CORSMiddleware
 

@@ -12,6 +12,7 @@ from ..core.model_info import EMBEDDER
 from ..service import Service
 from ..settings import Settings
 from .errors import INPUTS_KEY, ApiError, count_request
+from .timing import ENGINE_REQUEST_KEY
 from .metrics import Metrics
 
 
@@ -106,6 +107,7 @@ class AppState:
         engine.admit(n)  # raises Overloaded (429 + Retry-After) at once
         try:
             req = engine.submit(texts, truncate, direction.lower(), need_tokens, outputs)
+            request.scope[ENGINE_REQUEST_KEY] = req
             fut = req.future
             watcher = asyncio.ensure_future(_disconnected(request))
             try:

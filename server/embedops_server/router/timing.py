@@ -1,0 +1,65 @@
+"""`Server-Timing` on every answered inference request: where its time went, stage by stage.
+
+A pure-ASGI middleware, outermost, so that its clock starts when the HTTP server hands the request to the app.
+The route's engine request (stashed in the scope by AppState.run) carries the engine's timeline; the header is
+added as the response starts, so `respond` includes the route's post-processing and JSON serialization.
+What is left out is the HTTP server's own time (accept, header parsing, the socket write): a client measures it
+as its latency minus `total`. Costs a few microseconds per request; the bench reads it (bench/loadgen.py) to
+break the slowest 1% of requests down against the median.
+
+Stages, in milliseconds (W3C Server-Timing `dur`):
+  parse     ASGI entry -> engine submit (body read, JSON parsing, validation, admission)
+  tokenize  submit -> tokenized (the tokenizer thread hop or the inline encode)
+  queue     tokenized -> the request's last input taken into a batch
+  slot      batch formed -> its forward starts (a look-ahead batch waiting for a free forward, padding)
+  forward   first forward start -> last forward end (the backend, with pooling)
+  wake      forward end -> the event loop resumes the handler (post-processing of the batch, the loop hop)
+  respond   handler resumed -> response headers sent (normalization, serialization)
+  total     ASGI entry -> response headers sent
+and `batch;desc=<inputs in its largest forward>`, `beside;desc=1` when a forward ran beside another one.
+"""
+from __future__ import annotations
+
+import time
+
+ENGINE_REQUEST_KEY = "embedops.engine_request"  # request.scope: the core Request behind this response
+
+
+def server_timing(req, t_received: float, now: float) -> bytes:
+    """The header value for an engine request answered at `now` (perf_counter seconds)."""
+    points = (t_received, req.t_start, req.t_tokenized, req.t_batched, req.t_forward, req.t_forwarded, req.t_done,
+              now)
+    parts = []
+    prev = t_received
+    for name, t in zip(("parse", "tokenize", "queue", "slot", "forward", "wake", "respond"), points[1:]):
+        if not t:  # a stage not reached (an error answered before it): no figure rather than a wrong one
+            break
+        parts.append(f"{name};dur={max(0.0, t - prev) * 1000:.3f}")
+        prev = max(prev, t)
+    parts.append(f"total;dur={(now - t_received) * 1000:.3f}")
+    if req.batch_rows:
+        parts.append(f"batch;desc={req.batch_rows}")
+    if req.beside:
+        parts.append("beside;desc=1")
+    return ", ".join(parts).encode()
+
+
+class TimingMiddleware:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t_received = time.perf_counter()
+
+        async def send_timed(message):
+            if message["type"] == "http.response.start":
+                req = scope.get(ENGINE_REQUEST_KEY)
+                if req is not None:
+                    message = dict(message)
+                    message["headers"] = [*message.get("headers", ()),
+                                          (b"server-timing", server_timing(req, t_received, time.perf_counter()))]
+            await send(message)
+
+        return await self.app(scope, receive, send_timed)
