@@ -62,16 +62,29 @@ CASES = {
          series("embedops_service_replicas", {**OP, **SVC, "state": "ready"}, "0x20")],
         [alert("EmbeddingServiceNoReadyReplica", "15m", [])]),
     "5xx": (
-        [series("te_request_count", {**POD, "method": "single"}, "0+100x30"),
+        [series("te_queue_size", POD, "0x30"),
+         series("te_request_count", {**POD, "method": "single"}, "0+100x30"),
          series("te_request_failure", {**POD, "err": "inference"}, "0+0x10 0+20x20"),
          series("te_request_failure", {**POD, "err": "validation"}, "0+50x30")],  # client errors do not count
         [alert("EmbeddingServiceErrors", "9m", []),
          alert("EmbeddingServiceErrors", "25m", [fired("critical", **SVC)])]),
     "429": (
-        [series("te_request_count", {**POD, "method": "single"}, "0+100x40"),
+        [series("te_queue_size", POD, "0x40"),
+         series("te_request_count", {**POD, "method": "single"}, "0+100x40"),
          series("te_request_failure", {**POD, "err": "overloaded"}, "0+30x40")],
         [alert("EmbeddingServiceOverloaded", "8m", []),
          alert("EmbeddingServiceOverloaded", "20m", [fired("warning", **SVC)])]),
+    # the rate over 5 minutes still sees a deleted service's samples; the guard on its gauge ends the alert with
+    # the service (fails without it: still firing at 21m)
+    "429 and 5xx, then the service is deleted": (
+        [series("te_queue_size", POD, "0x20 stale"),
+         series("te_request_count", {**POD, "method": "single"}, "0+100x20 stale"),
+         series("te_request_failure", {**POD, "err": "overloaded"}, "0+30x20 stale"),
+         series("te_request_failure", {**POD, "err": "inference"}, "0+30x20 stale")],
+        [alert("EmbeddingServiceOverloaded", "20m", [fired("warning", **SVC)]),
+         alert("EmbeddingServiceErrors", "20m", [fired("critical", **SVC)]),
+         alert("EmbeddingServiceOverloaded", "21m", []),
+         alert("EmbeddingServiceErrors", "21m", [])]),
     "queue backlog": (
         [series("te_queue_size", POD, "0 5 0 5 0x4 3x30"),
          series("te_queue_size", {**POD, "pod": "bge-1"}, "4x40")],
@@ -79,7 +92,9 @@ CASES = {
          alert("EmbeddingServiceQueueBacklogged", "25m", [fired("warning", **SVC)])]),
     "latency budget from the manifest": (
         # every request takes 0.3-0.5 s: over a 0.25 s budget, under the 2 s default
-        [series("te_request_duration_bucket", {**POD, "le": "0.25"}, "0x30"),
+        [series("te_queue_size", POD, "0x30"),
+         series("te_queue_size", {**POD, "service": "other"}, "0x30"),
+         series("te_request_duration_bucket", {**POD, "le": "0.25"}, "0x30"),
          series("te_request_duration_bucket", {**POD, "le": "0.5"}, "0+10x30"),
          series("te_request_duration_bucket", {**POD, "le": "+Inf"}, "0+10x30"),
          series("embedops_service_p99_budget_seconds", {**OP, **SVC}, "0.25x30"),
