@@ -24,12 +24,6 @@ def _opt_int(v: str) -> int | None:
     return None if v.lower() in ("", "none") else int(v)
 
 
-def _http_server(v: str) -> str:
-    if v not in ("uvicorn", "granian"):
-        raise argparse.ArgumentTypeError(f"{v!r}: expected uvicorn or granian")
-    return v
-
-
 # (flag, type, default, help). Env var = flag without dashes, upper-snake.
 FLAGS = [
     ("--model-id", str, None, "local model folder (Hugging Face layout)"),
@@ -64,8 +58,6 @@ FLAGS = [
     ("--hostname", str, "0.0.0.0", "address to bind"),
     ("--port", int, 8080, "port for the API, /health and /metrics"),
     ("--graceful-shutdown-timeout", float, 30.0, "seconds to finish in-flight requests after SIGTERM"),
-    ("--http-server", _http_server, "uvicorn", "uvicorn | granian: the HTTP server in front of the app "
-     "(granian: Rust HTTP/1.1 in this process, optional dependency `embedops[granian]`)"),
     ("--onnx-cache", str, None, "where ONNX exports and int8 models are written (default ~/.cache/embedops)"),
     ("--log-level", str, "info", "debug | info | warning | error"),
     ("--outputs", str, None, "comma-separated outputs the model must give (dense, sparse, colbert: bge-m3's "

@@ -32,7 +32,6 @@ class Settings:
     port: int = 8080
     json_output: bool = False
     graceful_shutdown_timeout: float = 30.0
-    http_server: str = "uvicorn"  # uvicorn | granian
     onnx_cache: str | None = None
     cors_allow_origin: str | None = None  # comma-separated origins or "*"; None: no CORS headers
     outputs: str | None = None  # comma-separated outputs the model must have (dense, sparse, colbert)
