@@ -17,6 +17,8 @@ Stages, in milliseconds (W3C Server-Timing `dur`):
   respond   handler resumed -> response headers sent (normalization, serialization)
   total     ASGI entry -> response headers sent
 and `batch;desc=<inputs in its largest forward>`, `beside;desc=1` when a forward ran beside another one.
+The stages are consecutive and add up to `total`: for a request spread over several forwards, `queue` ends when its
+last input is taken into a batch, so its earlier forwards fall inside `queue` and `forward` counts from there.
 """
 from __future__ import annotations
 
