@@ -12,7 +12,7 @@ Stages, in milliseconds (W3C Server-Timing `dur`):
   tokenize  submit -> tokenized (the tokenizer thread hop or the inline encode)
   queue     tokenized -> the request's last input taken into a batch
   slot      batch formed -> its forward starts (a look-ahead batch waiting for a free forward, padding)
-  forward   first forward start -> last forward end (the backend, with pooling)
+  forward   its forward starts -> its (last) forward ends (the backend, with pooling)
   wake      forward end -> the event loop resumes the handler (post-processing of the batch, the loop hop)
   respond   handler resumed -> response headers sent (normalization, serialization)
   total     ASGI entry -> response headers sent
