@@ -115,10 +115,8 @@ def summarize(samples: Sequence[Sample], wall_s: float | None = None) -> RunStat
     return st
 
 
-def _mean_stages(samples: Sequence[Sample]) -> dict:
-    rows = [s for s in samples if s.server_ms and "st_total" in s.server_ms]
-    if not rows:
-        return {}
+def _mean_stages(rows: Sequence[Sample]) -> dict:
+    """Mean stages of samples that all carry Server-Timing (tail_breakdown picks them)."""
     out = {}
     for k in STAGES + ("total", "batch"):
         vals = [s.server_ms.get("st_" + k, 0.0) for s in rows]
@@ -134,9 +132,9 @@ def tail_breakdown(good: Sequence[Sample]) -> tuple[dict, dict, int]:
     timed = sorted((s for s in good if s.server_ms and "st_total" in s.server_ms), key=lambda s: s.latency)
     if len(timed) < 20:
         return {}, {}, 0
-    k = max(1, len(timed) // 100)
-    mid = timed[int(len(timed) * 0.45): max(int(len(timed) * 0.55), int(len(timed) * 0.45) + 1)]
-    return _mean_stages(timed[-k:]), _mean_stages(mid), k
+    n = len(timed)
+    k = max(1, n // 100)
+    return _mean_stages(timed[-k:]), _mean_stages(timed[int(n * 0.45):int(n * 0.55)]), k  # n >= 20: band not empty
 
 
 def parse_server_timing(value: str) -> dict:
