@@ -171,3 +171,45 @@ def test_sigterm_under_load_loses_no_admitted_request(tmp_path):
 
     lines = [json.loads(line) for line in text.splitlines() if line.strip()]  # --json-output: JSON only
     assert {"timestamp", "level", "message"} <= set(lines[0])
+
+
+def test_after_sigterm_a_pooled_connection_is_served_and_retired(tmp_path):
+    """A client's keep-alive connection (a gateway's pool, through a Service's cluster IP that conntrack keeps
+    on the terminating pod) sends a request after SIGTERM: it is answered, with ``Connection: close``, and the
+    listener takes no new connection. Refusing it (503) or closing the idle connection under it lost requests
+    through Traefik in a rollout (docs/cluster.md)."""
+    import http.client
+    import json
+
+    port = free_port()
+    env = dict(os.environ, PORT=str(port), MODEL_ID=str(minilm_dir()), NUM_THREADS="1", TOKENIZATION_WORKERS="1",
+               PYTHONPATH=os.pathsep.join(["server", "."]))
+    log = tmp_path / "server.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "embedops_server.cli", "--backend", "torch",
+                                 "--hostname", "127.0.0.1"], env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                cwd=Path(__file__).parents[2])
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", timeout=180)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        body = json.dumps({"inputs": ["pooled"]})
+        headers = {"Content-Type": "application/json"}
+        conn.request("POST", "/embed", body, headers)
+        r = conn.getresponse()
+        assert r.status == 200 and r.getheader("connection") != "close"
+        r.read()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # the signal handled and uvicorn's shutdown begun (its loop ticks every 0.1 s)
+        conn.request("POST", "/embed", body, headers)  # the same, pooled connection
+        r = conn.getresponse()
+        assert r.status == 200, r.read()
+        assert r.getheader("connection") == "close"
+        assert len(json.loads(r.read())) == 1
+        with pytest.raises(OSError):  # the listener is closed: new connections go to other pods
+            http.client.HTTPConnection("127.0.0.1", port, timeout=5).request("GET", "/health")
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "draining" in log.read_text()

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .errors import BACKEND, OVERLOADED, UNHEALTHY, EngineError
+from .errors import BACKEND, OVERLOADED, EngineError
 from .queue import BatchQueue, Entry
 from .tokenization import EncodeJob, TokenizerPool
 
@@ -126,7 +126,6 @@ class Engine:
         self.queue = BatchQueue(max_batch_tokens, max_batch_requests, forward_tokens)
         self.stats = stats or EngineStats()
         self.in_flight = 0  # admitted inputs not yet answered; touched only on the event loop
-        self.draining = False
         # One batch of look-ahead: while every inference thread is busy, the batcher forms and pads the next
         # batch into this slot. An idle inference thread forms its own batch (one thread hop fewer at low
         # load). All coordinate on the queue's condition variable.
@@ -146,8 +145,6 @@ class Engine:
 
     # ---- event-loop side -------------------------------------------------------------------
     def admit(self, n: int) -> None:
-        if self.draining:
-            raise EngineError(UNHEALTHY, "server is shutting down")
         if self.in_flight + n > self.max_concurrent:
             raise EngineError(OVERLOADED, "Model is overloaded", retry_after=self.retry_after())
         self.in_flight += n

@@ -16,7 +16,7 @@ from ..service import build_service
 from ..settings import Settings
 from . import errors, openapi, routes_compat, routes_m3, routes_tei
 from .errors import error_response
-from .middleware import GuardMiddleware
+from .middleware import DrainMiddleware, GuardMiddleware
 from .timing import TimingMiddleware
 from .routes_tei import json_response
 from .schemas import INFO_OK
@@ -147,7 +147,8 @@ def create_app(settings: Settings, service=None,
             "docker_label": None, "prompts": sorted(i.prompts), **routes_m3.m3_info(svc),
         })
 
-    outer = TimingMiddleware(GuardMiddleware(app, settings.payload_limit, settings.api_key))
+    outer = DrainMiddleware(TimingMiddleware(GuardMiddleware(app, settings.payload_limit, settings.api_key)),
+                            app.state.embedops)
     if settings.cors_allow_origin:
         from starlette.middleware.cors import CORSMiddleware
 

@@ -173,8 +173,7 @@ _WHEN = {
     424: "`Backend`: inference failed, or the loaded model's task does not serve this route (this document "
          "lists only the routes of the loaded model once it has loaded)",
     429: "`Overloaded`: more than --max-concurrent-requests inputs in flight; retry after `Retry-After` seconds",
-    503: "`Unhealthy`: the model is loading or failed to load (the message says why), or the server is "
-         "shutting down",
+    503: "`Unhealthy`: the model is loading or failed to load (the message says why)",
 }
 
 

@@ -1,4 +1,5 @@
-"""Pure-ASGI middleware: payload limit (JSON 413, also for chunked bodies) and bearer-token auth."""
+"""Pure-ASGI middleware: payload limit (JSON 413, also for chunked bodies) and bearer-token auth; and, while
+the server drains, ``Connection: close`` on every answer."""
 from __future__ import annotations
 
 import hmac
@@ -71,3 +72,27 @@ class GuardMiddleware:
             return await receive()
 
         return await self.app(scope, replay, send)
+
+
+class DrainMiddleware:
+    """While the server drains (after SIGTERM), every answer carries ``Connection: close``: a client's pooled
+    keep-alive connection is retired after the request it just sent, and the client's next request opens a
+    connection to a pod that is not going away. Closing idle pooled connections instead races with a request
+    being sent on them (lost: an HTTP client does not resend a POST on a connection closed under it)."""
+
+    def __init__(self, app, state):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.state.draining:
+            return await self.app(scope, receive, send)
+
+        async def send_closing(message):
+            if message["type"] == "http.response.start":
+                message = dict(message)
+                message["headers"] = [*(h for h in message.get("headers", ()) if h[0].lower() != b"connection"),
+                                      (b"connection", b"close")]
+            await send(message)
+
+        return await self.app(scope, receive, send_closing)

@@ -1,9 +1,11 @@
 """Run the app under uvicorn with a drain-aware SIGTERM: stop admitting, finish in-flight work, exit."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
+import time
 
 import uvicorn
 
@@ -14,20 +16,39 @@ from .app import create_app
 log = logging.getLogger(__name__)
 
 
+RETIRE_SECONDS = 2.0  # after SIGTERM, how long pooled keep-alive connections get to be retired one by one
+
+
 class DrainingServer(uvicorn.Server):
-    """On SIGTERM/SIGINT flip the app to draining (health 503, new work 503), then let uvicorn close the
-    listener and wait for in-flight requests up to --graceful-shutdown-timeout."""
+    """On SIGTERM/SIGINT: /health answers 503 and the listener closes; for RETIRE_SECONDS every answer carries
+    ``Connection: close`` (router/middleware.py's DrainMiddleware), so each client's pooled connection is
+    retired after its next request; then uvicorn closes what is left idle and waits for in-flight requests up
+    to --graceful-shutdown-timeout.
+
+    Requests on open connections are served, not refused: they come from clients' pools (a gateway's,
+    through the Service's cluster IP, which conntrack keeps on this pod after its endpoint is gone) and the
+    engine runs until the last request is done. Through Traefik in a rollout, refusing them with 503 lost 8 of
+    4204 requests, and closing idle pooled connections at once lost 1 of 3438 (a POST sent on a connection
+    as it closed, which no HTTP client resends)."""
 
     def __init__(self, config, state):
         super().__init__(config)
         self._state = state
 
+    async def shutdown(self, sockets=None):
+        for server in self.servers:  # no new connections (uvicorn's shutdown closes them again, harmlessly)
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        deadline = time.monotonic() + RETIRE_SECONDS
+        while self.server_state.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await super().shutdown()
+
     def handle_exit(self, sig, frame):
         if not self._state.draining:
             log.info("signal %s: draining in-flight requests", sig)
         self._state.draining = True
-        if self._state.service is not None:
-            self._state.service.engine.draining = True  # admission refuses from now on
         super().handle_exit(sig, frame)
 
 

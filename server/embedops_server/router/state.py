@@ -29,9 +29,7 @@ class AppState:
     def svc(self) -> Service:
         if self.service is None:
             raise ApiError(UNHEALTHY, self.load_error or "model is loading")
-        if self.draining:
-            raise ApiError(UNHEALTHY, "server is shutting down")
-        return self.service
+        return self.service  # also while draining: see router/server.py's DrainingServer
 
     def require_task(self, *tasks: str) -> Service:
         svc = self.svc()
