@@ -115,6 +115,9 @@ class Reconciler:
                         # with a back-off instead of taking this reconcile as done
                         with self._guard:
                             self.unfinished.add((namespace, name))
+            if manifests is not None and "routes" not in observed.missing \
+                    and any((m["apiVersion"], m["kind"]) == render.HTTPROUTE for m in manifests):
+                observed.route = self.kube.get(*render.HTTPROUTE, namespace, name)
             observed.deployment = self.kube.get("apps/v1", "Deployment", namespace, name)
             observed.pods = self.kube.list("v1", "Pod", namespace, render.selector_string(name))
             written = self.write_status(resource, observed, options)

@@ -29,6 +29,7 @@ class Observed:
     invalid: str | None = None  # a spec problem found outside the schema
     apply_error: str | None = None
     refused: tuple[str, str] | None = None  # (reason, message): the spec cannot fit its memory (memory.refusal)
+    route: dict | None = None  # the live HTTPRoute (its status.parents is what the gateways say of it)
 
 
 def _parse_time(value: str | None) -> dt.datetime | None:
@@ -226,6 +227,8 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
                 kind = observed.missing[feature]
                 cond(ctype, "False", "CRDNotInstalled",
                      f"the {kind} CRD is not installed; {feature} is skipped until it is")
+            elif feature == "routes":
+                cond(ctype, *route_condition(observed.route, spec.gateway, ns))
             elif feature == "autoscaling":
                 kind = render.autoscaler_kind(spec, options)
                 cond(ctype, "True", "KEDA" if kind == "keda" else "HPA",
@@ -235,6 +238,41 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
 
     status["conditions"] = conditions
     return status
+
+
+def route_condition(route: dict | None, gateway, namespace: str) -> tuple[str, str, str]:
+    """RoutesReady from what the gateways wrote in the HTTPRoute's ``status.parents``: True only when every
+    parent Gateway the spec names has Accepted the route and resolved its backend; the gateway's own reason
+    and message when one refused; Unknown while no controller has reported on a parent (none runs for its
+    GatewayClass, or it has not seen the route yet)."""
+    if route is None:
+        return "Unknown", "WaitingForGateway", "the HTTPRoute is not written yet"
+    reports = {}
+    for p in (route.get("status") or {}).get("parents") or []:
+        ref = p.get("parentRef") or {}
+        key = (ref.get("namespace") or namespace, ref.get("name"), ref.get("sectionName"))
+        reports[key] = (p.get("controllerName", ""), {c.get("type"): c for c in p.get("conditions") or []})
+    waiting, accepted = [], []
+    for ref in gateway.parent_refs:
+        where = f"{ref.namespace or namespace}/{ref.name}" + (f" ({ref.section_name})" if ref.section_name else "")
+        report = reports.get((ref.namespace or namespace, ref.name, ref.section_name))
+        if report is None:
+            waiting.append(where)
+            continue
+        controller, conds = report
+        for ctype, reason in (("Accepted", "NotAccepted"), ("ResolvedRefs", "RefsNotResolved")):
+            c = conds.get(ctype)
+            if c is not None and c.get("status") == "False":
+                return "False", reason, (f"gateway {where} ({controller}): {ctype}=False {c.get('reason', '')}: "
+                                         f"{c.get('message', '')}").strip()
+        if all((conds.get(t) or {}).get("status") == "True" for t in ("Accepted", "ResolvedRefs")):
+            accepted.append(f"{where} ({controller})")
+        else:
+            waiting.append(where)
+    if waiting:
+        return "Unknown", "WaitingForGateway", (f"no gateway controller has accepted the HTTPRoute on "
+                                                f"{', '.join(waiting)} yet (is one running for its GatewayClass?)")
+    return "True", "Accepted", f"accepted by {', '.join(accepted)}"
 
 
 def _memory_status(spec: EmbeddingServiceSpec) -> dict | None:

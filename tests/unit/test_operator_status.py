@@ -169,6 +169,48 @@ def test_missing_optional_crds_are_conditions():
     assert conds(s)["Ready"][0] == "True"  # the service itself serves
 
 
+def _route(*parents):
+    """An HTTPRoute as a gateway leaves it: one status.parents entry per (gateway name, Accepted, ResolvedRefs)."""
+    return {"status": {"parents": [
+        {"parentRef": {"name": name, "namespace": "gateway"}, "controllerName": "traefik.io/gateway-controller",
+         "conditions": [{"type": "Accepted", "status": accepted, "reason": "NotAllowedByListeners" if accepted ==
+                         "False" else "Accepted", "message": "no listener admits this route's namespace"},
+                        {"type": "ResolvedRefs", "status": resolved, "reason": "BackendNotFound" if resolved ==
+                         "False" else "ResolvedRefs", "message": "service ml/svc not found"}]}
+        for name, accepted, resolved in parents]}}
+
+
+def test_routes_ready_says_what_the_gateways_wrote_on_the_route():
+    spec = copy.deepcopy(MIG)
+    spec["gateway"] = {"parentRefs": [{"name": "edge", "namespace": "gateway"}, {"name": "internal",
+                                                                                 "namespace": "gateway"}]}
+    dep = deployment(replicas=1, ready=1, updated=1)
+
+    def routes(route):
+        s = compute(spec, ST.Observed(deployment=dep, route=route))
+        c = {x["type"]: x for x in s["conditions"]}["RoutesReady"]
+        assert conds(s)["Ready"][0] == "True"  # the Service serves whatever a gateway thinks of the route
+        return c["status"], c["reason"], c["message"]
+
+    assert routes(None)[:2] == ("Unknown", "WaitingForGateway")
+    # no controller runs for the GatewayClass: nothing is ever written, so the status must not claim success
+    st, reason, msg = routes({"status": {}})
+    assert (st, reason) == ("Unknown", "WaitingForGateway") and "gateway/edge, gateway/internal" in msg
+    st, reason, msg = routes(_route(("edge", "True", "True")))
+    assert (st, reason) == ("Unknown", "WaitingForGateway") and "gateway/internal" in msg and "edge" not in msg
+    st, reason, msg = routes(_route(("edge", "True", "True"), ("internal", "True", "True")))
+    assert (st, reason) == ("True", "Accepted") and "traefik.io/gateway-controller" in msg
+    st, reason, msg = routes(_route(("edge", "True", "True"), ("internal", "False", "True")))
+    assert (st, reason) == ("False", "NotAccepted")
+    assert "gateway/internal" in msg and "NotAllowedByListeners" in msg and "no listener admits" in msg
+    st, reason, msg = routes(_route(("edge", "True", "False"), ("internal", "True", "True")))
+    assert (st, reason) == ("False", "RefsNotResolved") and "BackendNotFound" in msg
+    # a report on another Gateway (same name, other namespace) is not this route's parent
+    other = _route(("edge", "True", "True"), ("internal", "True", "True"))
+    other["status"]["parents"][1]["parentRef"]["namespace"] = "elsewhere"
+    assert routes(other)[:2] == ("Unknown", "WaitingForGateway")
+
+
 def test_recompute_is_stable_and_keeps_transition_times():
     spec = copy.deepcopy(MIG)
     obs = ST.Observed(deployment=deployment(replicas=1, ready=1, updated=1))
