@@ -139,6 +139,12 @@ _KEDA_FOLDERS = tuple(dict.fromkeys(m.split("/")[1] for m in KEDA_MANIFESTS))
 PROMETHEUS_MODULE_VERSION = "v0.316.0"  # Prometheus 3.x publishes its Go module as v0.3MM.P for 3.MM.P
 PROMETHEUS_VERSION = "3.16.0"
 PROMETHEUS_VERSION_VAR = "github.com/prometheus/common/version.Version"
+GATEWAY_API_VERSION = "v1.6.3"
+# The standard channel's kinds a gateway controller watches: Traefik's informers wait for GRPCRoute,
+# ReferenceGrant and BackendTLSPolicy too, and never sync without their CRDs
+GATEWAY_CRDS = tuple(f"gateway.networking.k8s.io_{p}.yaml" for p in (
+    "gatewayclasses", "gateways", "httproutes", "grpcroutes", "referencegrants", "backendtlspolicies"))
+TRAEFIK_VERSION = "v3.6.12"  # the v3.7 line needs module versions this machine's Go proxy refuses (403)
 MONITORING_CRDS = tuple(f"monitoring.coreos.com_{p}.yaml" for p in (
     "servicemonitors", "podmonitors", "prometheusrules", "probes", "scrapeconfigs", "prometheuses",
     "prometheusagents", "alertmanagers", "alertmanagerconfigs", "thanosrulers"))
@@ -223,6 +229,13 @@ COMPONENTS: tuple[Component, ...] = (
         ("keda-operator", "keda-adapter", "crds/keda.sh_scaledjobs.yaml",
          *(f"manifests/{m.removeprefix('config/')}" for m in KEDA_MANIFESTS)),
         about="KEDA's operator and metrics adapter, and every CRD the operator watches"),
+    # The Gateway API implementation (issue 19), run as a pod on the real node by localcluster/gateway.py
+    Component(
+        "traefik", TRAEFIK_VERSION,
+        (GoPackages("traefik", (("github.com/traefik/traefik/v3/cmd/traefik", "traefik"),),
+                    version_var="github.com/traefik/traefik/v3/pkg/version.Version"),),
+        ("traefik",), version_check=("version",),
+        about="Traefik v3 with its Kubernetes Gateway API provider: routes the operator's HTTPRoutes"),
     # Third-party CRDs, the YAML files the projects publish in their Go modules
     Component(
         "prometheus-operator-crds", PROMETHEUS_OPERATOR_VERSION,
@@ -231,13 +244,10 @@ COMPONENTS: tuple[Component, ...] = (
         MONITORING_CRDS, kind="crds",
         about="monitoring.coreos.com CRDs (ServiceMonitor, PrometheusRule, Prometheus, ...)"),
     Component(
-        "gateway-api", "v1.6.3",
-        (ModuleFiles("sigs.k8s.io/gateway-api", (
-            "config/crd/standard/gateway.networking.k8s.io_gatewayclasses.yaml",
-            "config/crd/standard/gateway.networking.k8s.io_gateways.yaml",
-            "config/crd/standard/gateway.networking.k8s.io_httproutes.yaml")),),
-        ("gateway.networking.k8s.io_gatewayclasses.yaml", "gateway.networking.k8s.io_gateways.yaml",
-         "gateway.networking.k8s.io_httproutes.yaml"), kind="crds", about="GatewayClass, Gateway, HTTPRoute CRDs"),
+        "gateway-api", GATEWAY_API_VERSION,
+        (ModuleFiles("sigs.k8s.io/gateway-api", tuple(f"config/crd/standard/{f}" for f in GATEWAY_CRDS)),),
+        GATEWAY_CRDS, kind="crds",
+        about="Gateway API standard channel CRDs (GatewayClass, Gateway, HTTPRoute and what gateways watch)"),
     Component(
         "keda", KEDA_VERSION,
         (ModuleFiles("github.com/kedacore/keda/v2", ("config/crd/bases/keda.sh_scaledobjects.yaml",)),),
@@ -251,7 +261,9 @@ CONTROL_PLANE = ("k8s", "kwok", "etcd")
 DEMO = (*CONTROL_PLANE, "coredns", *CRDS)
 TESTS = tuple(c.name for c in COMPONENTS)
 MONITORING = ("prometheus-operator", "prometheus", "prometheus-operator-crds", "keda-controllers")
-SETS = {"demo": DEMO, "tests": TESTS, "control-plane": CONTROL_PLANE, "crds": CRDS, "monitoring": MONITORING}
+GATEWAY = ("traefik", "gateway-api")
+SETS = {"demo": DEMO, "tests": TESTS, "control-plane": CONTROL_PLANE, "crds": CRDS, "monitoring": MONITORING,
+        "gateway": GATEWAY}
 
 # The upstream CRDs by the short name the tests and the demo install them under
 # (component, its files; empty: all of them). "monitoring" is what Prometheus Operator itself needs to run.
