@@ -70,7 +70,7 @@ def third_party_crds(kube):
 
 
 _SESSION = uuid.uuid4().hex[:6]
-_POOL = [f"e2e-{_SESSION}-{i}" for i in range(12)]  # namespaces the e2e operator watches
+_POOL = [f"e2e-{_SESSION}-{i}" for i in range(16)]  # namespaces the e2e operator watches
 _WATCHED = list(_POOL)
 
 

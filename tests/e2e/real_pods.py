@@ -67,12 +67,14 @@ for path, body in json.loads(os.environ["REQUESTS"]):
     print(json.dumps({"path": path, "status": status, "body": out}), flush=True)
 """
 
-# Closed-loop load: $THREADS threads POST $BODY to $URL one request at a time (a new connection each, as a
+# Closed-loop load: $THREADS threads POST $BODY to $URL (with the Host header $HOST when set: a gateway's
+# hostname match) one request at a time (a new connection each, as a
 # client behind a Service would after a failure), until /tmp/stop exists or $MAX_SECONDS pass. Prints
 # "started" after the first success, then one JSON summary line with counts and the first failures.
 LOAD_CLIENT = r"""
 import collections, json, os, threading, time, urllib.error, urllib.request
 url, body = os.environ["URL"], os.environ["BODY"].encode()
+headers = {"Content-Type": "application/json", **({"Host": os.environ["HOST"]} if os.environ.get("HOST") else {})}
 threads, limit = int(os.environ.get("THREADS", "4")), float(os.environ.get("MAX_SECONDS", "240"))
 t0 = time.monotonic()
 ok = [0]; fails = collections.Counter(); first = []; last = [None]; lat = []; lock = threading.Lock()
@@ -81,7 +83,7 @@ def stop():
     return os.path.exists("/tmp/stop") or time.monotonic() - t0 > limit
 def worker():
     while not stop():
-        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(url, data=body, headers=headers)
         t = time.monotonic()
         try:
             with urllib.request.urlopen(req, timeout=30) as r:

@@ -1,0 +1,240 @@
+"""Gateway routes on a real Gateway API implementation (issue 19): Traefik v3, built from its Go module and
+run as a pod on the real node (localcluster/gateway.py), reads the HTTPRoutes the operator renders.
+
+What a platform team finds out only in production, checked on real pods: the gateway accepts the route
+(``Accepted`` and ``ResolvedRefs`` in its status, and the EmbeddingService's ``RoutesReady`` says so); every
+route the service exposes answers through the gateway with the same bytes as the Service, the path prefix
+stripped and the hostname honoured; what the service does not expose stays 404; a rollout under load through
+the gateway loses no request. Bounded local load only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from localcluster import gateway
+from localcluster.workloads import prerequisites
+from tests.e2e.conftest import GROUP, PLURAL, VERSION, wait_for
+from tests.e2e.real_pods import LOAD_CLIENT, client_pod, pod_log
+from tests.e2e.test_real_pods import (RERANKER_DOC, _kubeconfig, example, ns, on_real_node, real,  # noqa: F401
+                                      rolled_out, stop_load, svc, wait_ready)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+EMBED, RERANK, M3 = "routed-embed", "routed-rerank", "routed-m3"
+M3_PREFIX = "/hybrid"  # beside /retrieval on the same hostname
+EMBED_HOST, RERANK_HOST = "retrieval.e2e.embedops.test", "rerank.e2e.embedops.test"
+PREFIX = "/retrieval"
+TEXTS = ["What is a gateway?", "HTTPRoutes send requests to Services."]
+QUERY = "Where is the Eiffel Tower?"
+PASSAGES = ["Paris is the capital of France.", "Bananas are yellow.", "The Eiffel Tower is in Paris."]
+
+
+@pytest.fixture(scope="module")
+def gw(kube, real):  # noqa: F811 - the fixture imported above
+    if real.local_node is None:
+        pytest.skip("the gateway is built into the local cluster only")
+    return gateway.up(kube)
+
+
+def tiny_m3(root: Path) -> str:
+    """A small random model in bge-m3's layout (dense, sparse and ColBERT heads) with the server's own ONNX
+    export, under the models hostPath the pods mount; made once per models folder."""
+    from bench.m3_model import build_m3_folder
+    from localcluster.models import _export
+
+    dst = root / "tiny-bge-m3"
+    if not (dst / "onnx" / "model.onnx").is_file():
+        tmp = root / "tiny-bge-m3.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        _export(build_m3_folder(tmp))
+        for d, _, files in os.walk(tmp):
+            os.chmod(d, 0o755)
+            for f in files:
+                os.chmod(os.path.join(d, f), 0o644)
+        shutil.rmtree(dst, ignore_errors=True)
+        tmp.rename(dst)
+    return dst.name
+
+
+@pytest.fixture(scope="module")
+def routed(kube, real, ns, svc, gw):  # noqa: F811
+    """An embedder behind the gateway at <EMBED_HOST>/retrieval (prefix stripped by the route's URLRewrite),
+    a model in bge-m3's layout at <EMBED_HOST>/hybrid (one exact rule per output it has), and the tiny
+    reranker at <RERANK_HOST>/ (no prefix)."""
+    embed = on_real_node(example(), real)
+    embed["metadata"]["name"] = EMBED
+    embed["spec"]["gateway"] = {"parentRefs": [gateway.PARENT_REF], "hostnames": [EMBED_HOST], "pathPrefix": PREFIX}
+    rerank = on_real_node(RERANKER_DOC, real)
+    rerank["metadata"]["name"] = RERANK
+    rerank["spec"]["gateway"] = {"parentRefs": [gateway.PARENT_REF], "hostnames": [RERANK_HOST]}
+    m3 = on_real_node(example(), real)
+    m3["metadata"]["name"] = M3
+    model = tiny_m3(Path(real.models_hostpath))
+    m3["spec"]["model"] = {"id": f"/models/{model}", "servedModelName": model, "task": "embed", "maxInputLength": 256,
+                           "outputs": ["dense", "sparse", "colbert"], "source": {"pvc": {"claimName": "embedops-models"}}}
+    m3["spec"]["gateway"] = {"parentRefs": [gateway.PARENT_REF], "hostnames": [EMBED_HOST], "pathPrefix": M3_PREFIX}
+    docs = [embed, rerank, m3]
+    prerequisites(kube, ns, docs, host_path=real.models_hostpath)
+    for d in docs:
+        svc.create(d)
+    for d in docs:
+        wait_ready(svc, d["metadata"]["name"], real)
+    return {d["metadata"]["name"]: d for d in docs}
+
+
+def call(base: str, path: str, body=None, host: str | None = None) -> tuple[int, bytes]:
+    """(status, body bytes) of one request; a GET when ``body`` is None."""
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Host": host} if host else {})}
+    req = urllib.request.Request(base + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def without_id(body: bytes) -> dict:
+    doc = json.loads(body)
+    assert doc.pop("id", None), body
+    return doc
+
+
+def backend(svc, name: str) -> str:  # noqa: F811
+    """The Service's one endpoint (its pod's IP and the port the Service targets), which this machine reaches
+    on the node's bridge: what the gateway forwards to, without the gateway."""
+    s = svc.core.read_namespaced_service(name, svc.ns)
+    target = s.spec.ports[0].target_port
+    (pod,) = [p for p in svc.pods(name) if p.metadata.deletion_timestamp is None]
+    port = next(p.container_port for c in pod.spec.containers for p in c.ports or [] if p.name == target) \
+        if isinstance(target, str) else target
+    return f"http://{pod.status.pod_ip}:{port}"
+
+
+def diagnostics(svc, name: str, gw=None) -> str:  # noqa: F811
+    """What Traefik logged, the services it built and the EndpointSlices it reads, for a failure message."""
+    from kubernetes import client
+
+    built = ""
+    if gw is not None:
+        status, body = call(gw.api_url, "/http/services")
+        built = "\n".join(f"{s['name']}: {s.get('loadBalancer', {}).get('servers')} {s.get('serverStatus')}"
+                           for s in json.loads(body) if name in s["name"]) if status == 200 else body.decode()
+
+    pods = svc.core.list_namespaced_pod(gateway.NAMESPACE, label_selector="app.kubernetes.io/name=traefik").items
+    log = "\n".join(svc.core.read_namespaced_pod_log(p.metadata.name, gateway.NAMESPACE, tail_lines=30) for p in pods)
+    slices = client.DiscoveryV1Api(svc.core.api_client).list_namespaced_endpoint_slice(
+        svc.ns, label_selector=f"kubernetes.io/service-name={name}").items
+    eps = [(s.metadata.name, [(p.name, p.port) for p in s.ports or []],
+            [(e.addresses, e.conditions.ready) for e in s.endpoints or []]) for s in slices]
+    return f"EndpointSlices of {svc.ns}/{name}: {eps}\nTraefik's services:\n{built}\nTraefik log:\n{log}"
+
+
+def test_gateway_accepts_the_operators_routes_and_the_status_says_so(routed, gw, svc):  # noqa: F811
+    for name in (EMBED, RERANK, M3):
+        def accepted(name=name):
+            route = svc.co.get_namespaced_custom_object("gateway.networking.k8s.io", "v1", svc.ns, "httproutes", name)
+            parents = [p for p in (route.get("status") or {}).get("parents") or []
+                       if p.get("controllerName") == gateway.CONTROLLER]
+            conds = {c["type"]: c for p in parents for c in p.get("conditions") or []}
+            if conds.get("Accepted", {}).get("status") == "True" and conds.get("ResolvedRefs", {}).get("status") == "True":
+                return route
+        route = wait_for(accepted, timeout=60, what=f"Traefik accepts HTTPRoute {name}")
+        parent = route["status"]["parents"][0]["parentRef"]
+        assert (parent["name"], parent.get("namespace")) == (gateway.GATEWAY, gateway.NAMESPACE), route["status"]
+        es = svc.wait_condition(name, "RoutesReady", timeout=60)
+        cond = {c["type"]: c for c in es["status"]["conditions"]}["RoutesReady"]
+        print(f"{name}: RoutesReady {cond['status']} {cond['reason']}: {cond['message']}")
+        assert cond["reason"] == "Accepted" and gateway.CONTROLLER in cond["message"]
+    gwobj = svc.co.get_namespaced_custom_object("gateway.networking.k8s.io", "v1", gateway.NAMESPACE, "gateways",
+                                                gateway.GATEWAY)
+    assert {"type": "Hostname", "value": gateway.IN_CLUSTER_HOST} in gwobj["status"]["addresses"]
+    listener = gwobj["status"]["listeners"][0]
+    assert listener["attachedRoutes"] >= 3, listener
+
+
+def test_every_exposed_route_answers_through_the_gateway_as_the_service_does(routed, gw, svc):  # noqa: F811
+    direct = backend(svc, EMBED)
+    calls = [("/v1/embeddings", {"model": "all-MiniLM-L6-v2", "input": TEXTS}), ("/embed", {"inputs": TEXTS}),
+             ("/embed_all", {"inputs": TEXTS[:1]}), ("/v1/models", None), ("/v1/models/all-MiniLM-L6-v2", None)]
+    for path, body in calls:
+        want = call(direct, path, body)
+        got = call(gw.url, PREFIX + path, body, host=EMBED_HOST)
+        assert want[0] == 200, (path, want)
+        assert got == want, (f"{PREFIX + path} through the gateway: {got[0]} {got[1][:200]!r} != "
+                             f"{want[1][:200]!r}\n{diagnostics(svc, EMBED, gw)}")
+    rerank_direct = backend(svc, RERANK)
+    for path in ("/rerank", "/v1/rerank"):
+        body = ({"query": QUERY, "texts": PASSAGES} if path == "/rerank"
+                else {"query": QUERY, "documents": PASSAGES, "top_n": 2})
+        want = call(rerank_direct, path, body)
+        assert want[0] == 200, (path, want)
+        got = call(gw.url, path, body, host=RERANK_HOST)
+        if path == "/v1/rerank":  # Cohere's answer carries a fresh id per request; the rest must match
+            got, want = (got[0], without_id(got[1])), (want[0], without_id(want[1]))
+        assert got == want, f"{path}: {got[0]} {got[1][:200]!r}\n{diagnostics(svc, RERANK, gw)}"
+    # bge-m3's outputs: each has its exact rule, and /embed_hybrid exists because the model has several
+    m3_direct = backend(svc, M3)
+    for path, body in [("/embed_sparse", {"inputs": TEXTS}), ("/embed_colbert", {"inputs": TEXTS[:1]}),
+                       ("/embed_hybrid", {"inputs": TEXTS, "outputs": ["dense", "sparse"]}),
+                       ("/v1/embeddings", {"model": "tiny-bge-m3", "input": TEXTS})]:
+        want = call(m3_direct, path, body)
+        assert want[0] == 200, (path, want)
+        got = call(gw.url, M3_PREFIX + path, body, host=EMBED_HOST)
+        assert got == want, f"{M3_PREFIX + path}: {got[0]} {got[1][:200]!r}\n{diagnostics(svc, M3, gw)}"
+    # a request the server refuses keeps its status and error body through the gateway
+    bad = call(direct, "/embed", {"inputs": []})
+    assert bad[0] == 400 and call(gw.url, PREFIX + "/embed", {"inputs": []}, host=EMBED_HOST) == bad, bad
+
+
+def test_prefix_hostnames_and_unexposed_routes_are_404(routed, gw, svc):  # noqa: F811
+    body = {"inputs": TEXTS[:1]}
+    assert call(gw.url, PREFIX + "/embed", body, host=EMBED_HOST)[0] == 200
+    refused = {
+        "the path without its prefix": (gw.url, "/embed", EMBED_HOST),
+        "another hostname": (gw.url, PREFIX + "/embed", "other.e2e.embedops.test"),
+        "the reranker's hostname with the embedder's prefix": (gw.url, PREFIX + "/embed", RERANK_HOST),
+        "an Exact path with a suffix": (gw.url, PREFIX + "/embed/extra", EMBED_HOST),
+        "a route of another task (/rerank)": (gw.url, PREFIX + "/rerank", EMBED_HOST),
+        "/predict": (gw.url, PREFIX + "/predict", EMBED_HOST),
+        "/metrics (scraped in-cluster, never published)": (gw.url, PREFIX + "/metrics", EMBED_HOST),
+        "/health": (gw.url, PREFIX + "/health", EMBED_HOST),
+        "the embedder's /embed on the reranker's hostname": (gw.url, "/embed", RERANK_HOST),
+        "bge-m3's /embed_sparse under the MiniLM prefix": (gw.url, PREFIX + "/embed_sparse", EMBED_HOST),
+        "/embed_colbert under the MiniLM prefix": (gw.url, PREFIX + "/embed_colbert", EMBED_HOST),
+        "/embed_hybrid under the MiniLM prefix": (gw.url, PREFIX + "/embed_hybrid", EMBED_HOST),
+        "/rerank under the bge-m3 prefix": (gw.url, M3_PREFIX + "/rerank", EMBED_HOST),
+    }
+    got = {why: call(base, path, body, host=host)[0] for why, (base, path, host) in refused.items()}
+    print(json.dumps(got, indent=1))
+    assert set(got.values()) == {404}, got
+    # the Service itself answers those paths: the 404s are the route's, not the server's
+    assert call(backend(svc, EMBED), "/health")[0] == 200
+
+
+def test_rollout_through_the_gateway_loses_no_request(kube, routed, gw, svc, real):  # noqa: F811
+    before = {p.metadata.name for p in svc.pods(EMBED)}
+    pod = client_pod("load-gateway", real.server_image, LOAD_CLIENT, real.node_selector, {
+        "URL": f"{gw.in_cluster_url}{PREFIX}/embed", "HOST": EMBED_HOST, "THREADS": 4, "MAX_SECONDS": 300,
+        "BODY": json.dumps({"inputs": ["steady load through the gateway"]})})
+    svc.core.create_namespaced_pod(svc.ns, pod)
+    wait_for(lambda: "started" in pod_log(svc.core, svc.ns, "load-gateway"), timeout=120,
+             what="first success through the gateway")
+    time.sleep(3)
+    svc.co.patch_namespaced_custom_object(GROUP, VERSION, svc.ns, PLURAL, EMBED, {
+        "spec": {"env": [{"name": "EMBEDOPS_E2E_ROLLOUT", "value": uuid.uuid4().hex[:8]}]}})
+    wait_for(lambda: rolled_out(svc, EMBED, 1) and not before & {p.metadata.name for p in svc.pods(EMBED)},
+             timeout=300, what="rollout to a new pod")
+    time.sleep(3)  # the new pod serves alone through the gateway for a moment
+    summary = stop_load(kube, svc, "load-gateway")
+    print(f"rollout under load (4 client threads through Traefik to the Service's pods): {summary}")
+    assert summary["ok"] > 0 and summary["failed"] == 0, summary
