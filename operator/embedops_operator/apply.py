@@ -22,6 +22,7 @@ from kubernetes.client.rest import ApiException
 
 from . import metrics, render, spec
 from .litellm import manager as litellm_manager
+from .litellm import sync_index as litellm_sync_index
 
 log = logging.getLogger("embedops.apply")
 
@@ -460,11 +461,13 @@ def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> list[
             written.append(f"{obj['kind']}/{meta['name']} (replicas handed to the autoscaler)")
         if live is None or needs_write(kube, obj, manager=manager, live=live):
             try:
-                kube.apply(obj, manager=manager)
+                live = kube.apply(obj, manager=manager)
             except ApiException as exc:
                 exc.failed_object = obj  # the reconciler names what failed (a CRD removed since discovery)
                 raise
             written.append(f"{obj['kind']}/{meta['name']}")
+        if obj["kind"] == "ConfigMap" and litellm_sync_index(kube, live):
+            written.append(f"ConfigMap/{meta['name']} (LiteLLM index)")
     return written
 
 

@@ -5,15 +5,25 @@ removes an entry. The operator removes it: at once when it sees the service dele
 entries whose service is gone or now writes to another ConfigMap (deleted while the operator was down,
 `litellm.configMapName` changed). Which services have an entry is read from managedFields, not from key
 names, so keys the user wrote are never touched.
+
+LiteLLM's config `include` names files, it cannot glob, so a ConfigMap that holds entries also gets an index,
+`embedops.yaml` (never an entry's key: those are `embedops-<name>.yaml`), written by its own field manager:
+`include:` the entry files, in name order. A LiteLLM config includes that one file and picks up every
+service's entry (docs/operator.md). The index stays, with an empty list, after the last entry goes: a config
+including it must keep loading.
 """
 from __future__ import annotations
 
 import logging
 
+from kubernetes.client.rest import ApiException
+
 from . import render, spec
 
 log = logging.getLogger("embedops.litellm")
 MANAGER_PREFIX = f"{render.MANAGER}-litellm-"
+INDEX_KEY = "embedops.yaml"
+INDEX_MANAGER = f"{render.MANAGER}-litellm-index"  # not MANAGER_PREFIX + a service name: "index" may be one
 
 
 def manager(service_name: str) -> str:
@@ -25,7 +35,7 @@ def entry_owners(config_map: dict) -> set[str]:
     owners = set()
     for mf in (config_map.get("metadata") or {}).get("managedFields") or []:
         who = mf.get("manager") or ""
-        if not who.startswith(MANAGER_PREFIX) or mf.get("operation") != "Apply":
+        if not who.startswith(MANAGER_PREFIX) or who == INDEX_MANAGER or mf.get("operation") != "Apply":
             continue
         name = who[len(MANAGER_PREFIX):]
         if f"f:{render.litellm_key(name)}" in ((mf.get("fieldsV1") or {}).get("f:data") or {}):
@@ -40,14 +50,58 @@ def wanted_config_map(resource: dict | None) -> str | None:
     return ((resource.get("spec") or {}).get("litellm") or {}).get("configMapName")
 
 
+def index_text(entry_keys) -> str:
+    """The index: LiteLLM's `include` of every entry file (relative paths: the index's own folder)."""
+    keys = sorted(entry_keys)
+    return ("# Managed by embedops: every EmbeddingService entry in this ConfigMap. Include this file from\n"
+            "# LiteLLM's config; it is rewritten as services come and go.\n"
+            + ("include:\n" + "".join(f"- {k}\n" for k in keys) if keys else "include: []\n"))
+
+
+def sync_index(kube, live: dict | None, attempts: int = 3) -> bool:
+    """Make the ConfigMap's index list exactly its entries. ``live`` is the ConfigMap as last read or written.
+    The write carries its resourceVersion, so an entry added meanwhile by another service's reconcile is
+    never dropped: on a conflict the ConfigMap is read again (from the API server) and the index recomputed.
+    True when the index was written."""
+    for _ in range(attempts):
+        if live is None:
+            return False
+        data = live.get("data") or {}
+        owners = entry_owners(live)
+        keys = [render.litellm_key(s) for s in owners if render.litellm_key(s) in data]
+        if not keys and INDEX_KEY not in data:
+            return False  # never held an entry: nothing to index
+        text = index_text(keys)
+        if data.get(INDEX_KEY) == text:
+            return False
+        meta = live["metadata"]
+        try:
+            kube.apply({"apiVersion": "v1", "kind": "ConfigMap",
+                        "metadata": {"name": meta["name"], "namespace": meta["namespace"],
+                                     "resourceVersion": meta["resourceVersion"],
+                                     "labels": {render.LABEL_LITELLM: "true"}},
+                        "data": {INDEX_KEY: text}}, manager=INDEX_MANAGER)
+            return True
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            live = getattr(kube, "kube", kube).get("v1", "ConfigMap", meta["namespace"], meta["name"])
+    log.warning("LiteLLM index of %s/%s: still conflicting after %d attempts; the next reconcile retries",
+                (live or {}).get("metadata", {}).get("namespace"), (live or {}).get("metadata", {}).get("name"),
+                attempts)
+    return False
+
+
 def remove_entry(kube, namespace: str, config_map: str, service_name: str) -> None:
-    """Apply an empty intent for the service's manager: the server drops exactly the fields it owned."""
+    """Apply an empty intent for the service's manager: the server drops exactly the fields it owned; then
+    the index follows."""
     live = kube.get("v1", "ConfigMap", namespace, config_map)
     if live is None or (render.litellm_key(service_name) not in (live.get("data") or {})
                         and service_name not in entry_owners(live)):
         return
-    kube.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": config_map, "namespace": namespace}},
-               manager=manager(service_name))
+    after = kube.apply({"apiVersion": "v1", "kind": "ConfigMap",
+                        "metadata": {"name": config_map, "namespace": namespace}}, manager=manager(service_name))
+    sync_index(kube, after)
 
 
 def sweep(kube, namespace: str | None, only: str | None = None) -> list[str]:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.integration.operator_process import delete_cluster_scoped
 from tests.waiting import ReplicasWatch, wait_until as wait_for
@@ -493,12 +494,18 @@ def test_litellm_entry_follows_its_config_map_and_is_swept_after_operator_downti
     spec["litellm"] = {"configMapName": "litellm-a"}
     ctx.apply_es("ll", spec)
     wait_for("entry in litellm-a", lambda: "embedops-ll.yaml" in data("litellm-a"), 30)
+    # the index LiteLLM's config includes lists the entry files (LiteLLM's `include` cannot glob)
+    wait_for("index lists the entry", lambda: included(data("litellm-a")) == ["embedops-ll.yaml"], 30)
 
     spec["litellm"] = {"configMapName": "litellm-b"}
     ctx.apply_es("ll", spec)
     wait_for("entry moved to litellm-b", lambda: "embedops-ll.yaml" in data("litellm-b")
              and "embedops-ll.yaml" not in data("litellm-a"), 30)
-    assert data("litellm-a") == {"user.yaml": "model_list: []\n"}
+    wait_for("indexes follow", lambda: included(data("litellm-b")) == ["embedops-ll.yaml"]
+             and included(data("litellm-a")) == [], 30)
+    # the user's key untouched; the index stays with an empty list, so a config including it still loads
+    assert set(data("litellm-a")) == {"user.yaml", "embedops.yaml"}
+    assert data("litellm-a")["user.yaml"] == "model_list: []\n"
 
     ctx.operator.stop()
     ctx.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "ll")
@@ -507,8 +514,15 @@ def test_litellm_entry_follows_its_config_map_and_is_swept_after_operator_downti
     assert "embedops-ll.yaml" in data("litellm-b")  # nobody removed it while the operator was down
     ctx.operator = OperatorThread().start()
     wait_for("entry swept on start-up", lambda: "embedops-ll.yaml" not in data("litellm-b"), 30)
+    wait_for("swept entry leaves the index", lambda: included(data("litellm-b")) == [], 30)
     assert "embedops-minilm.yaml" in data("litellm-models")  # a live service's entry stays
-    assert data("litellm-a") == {"user.yaml": "model_list: []\n"}
+    assert "embedops-minilm.yaml" in included(data("litellm-models"))
+    assert data("litellm-a")["user.yaml"] == "model_list: []\n" and included(data("litellm-a")) == []
+
+
+def included(data: dict) -> list | None:
+    """The entry files the ConfigMap's LiteLLM index includes (None: no index)."""
+    return yaml.safe_load(data["embedops.yaml"])["include"] if "embedops.yaml" in data else None
 
 
 def test_delete_cascades(ctx, operator):
@@ -531,7 +545,6 @@ def test_delete_cascades(ctx, operator):
 def test_operator_works_with_only_the_charts_rbac(ctx, operator, tmp_path):
     """Install the chart's ServiceAccount + RBAC, run the operator with that account's token: every feature
     reconciles without a Forbidden error (least privilege is enough)."""
-    import yaml
 
     helm = ctx.kube.helm
     if not helm:
