@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -81,6 +82,81 @@ def install() -> Path:
         (d / ".complete").write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         _log(f"LiteLLM {LITELLM_VERSION} installed in {time.monotonic() - t:.0f}s")
     return d / "bin"
+
+
+IMAGE_PYTHON = "3.11.2"  # Debian bookworm's python3, the base image's
+IMAGE_ONLY = ("async-timeout>=4.0.3",)  # redis requires it on python_full_version < "3.11.3"
+IMAGE_CONTAINERFILE = """ARG BASE_IMAGE
+FROM ${BASE_IMAGE}
+RUN --mount=type=bind,target=/ctx python3 -m venv /opt/litellm \\
+    && /opt/litellm/bin/pip install --no-index --find-links /ctx/wheels --disable-pip-version-check \\
+       --no-compile -r /ctx/requirements.txt
+ENV PATH=/opt/litellm/bin:$PATH HOME=/tmp PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+USER 65534
+ENTRYPOINT ["litellm"]
+"""
+
+
+def wheelhouse() -> Path:
+    """cp311 x86_64 wheels of REQUIREMENTS (and what they need), for the image; made once."""
+    if sys.version_info[:2] != (3, 11):
+        raise RuntimeError(f"the LiteLLM wheelhouse must be made by a Python 3.11 (the images' python3), not {sys.version}")
+    key = hashlib.sha256("\n".join((IMAGE_PYTHON, *REQUIREMENTS, *IMAGE_ONLY)).encode()).hexdigest()[:8]
+    out = cache_dir() / "images" / f"wheels-litellm-{LITELLM_VERSION}-{key}"
+    if (out / ".complete").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    t = time.monotonic()
+    # for the base image's python3 (Debian's 3.11.2): pip's --python-version does not reach markers on
+    # python_full_version, so what those add below 3.11.3 is named (IMAGE_ONLY)
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--only-binary=:all:",
+                        f"--python-version={IMAGE_PYTHON}", "--dest", str(tmp), *REQUIREMENTS, *IMAGE_ONLY],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"pip download of LiteLLM's wheels failed:\n{r.stdout[-3000:]}")
+    (tmp / "requirements.txt").write_text("\n".join(REQUIREMENTS) + "\n")
+    (tmp / ".complete").write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    _log(f"LiteLLM wheelhouse: {len(list(out.glob('*.whl')))} wheels in {time.monotonic() - t:.0f}s")
+    return out
+
+
+def image():
+    """``localhost/embedops-litellm:<hash>``: LiteLLM's proxy in a venv on the Debian base, entry point
+    ``litellm``, user nobody; ``<hash>`` covers the wheels, the Containerfile and the base."""
+    from . import images
+
+    why = images.podman_usable()
+    if why:
+        raise RuntimeError(why)
+    wheels = wheelhouse()
+    base = images.base_image()
+    h = hashlib.sha256(f"{images._image_id(base) or base}\0{IMAGE_CONTAINERFILE}".encode())
+    for w in sorted(wheels.glob("*.whl")):
+        h.update(f"{w.name}\0".encode())
+    tag = h.hexdigest()[:12]
+    ref = f"localhost/embedops-litellm:{tag}"
+    archives = images.cache_root() / "archives"
+    archives.mkdir(parents=True, exist_ok=True)
+
+    def context(ctx: Path) -> None:
+        (ctx / "wheels").mkdir()
+        for w in wheels.glob("*.whl"):
+            try:
+                os.link(w, ctx / "wheels" / w.name)
+            except OSError:
+                shutil.copy2(w, ctx / "wheels" / w.name)
+        shutil.copy2(wheels / "requirements.txt", ctx / "requirements.txt")
+        (ctx / "Containerfile").write_text(IMAGE_CONTAINERFILE)
+
+    with images._locked(ref):
+        img = images._build_locked("litellm", ref, "Containerfile", {"BASE_IMAGE": base},
+                                   archives / f"litellm-{tag}.tar", None, make_context=context)
+    images._prune("litellm", keep=archives / f"litellm-{tag}.tar", repo="localhost/embedops-litellm", suffix="")
+    return img
 
 
 @contextlib.contextmanager

@@ -21,8 +21,8 @@ from kubernetes import config as k8s_config
 from kubernetes.client.rest import ApiException
 
 from . import metrics, render, spec
+from . import litellm
 from .litellm import manager as litellm_manager
-from .litellm import sync_index as litellm_sync_index
 
 log = logging.getLogger("embedops.apply")
 
@@ -459,15 +459,20 @@ def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> list[
         live = kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
         if hand_over_replicas(kube, obj, live):
             written.append(f"{obj['kind']}/{meta['name']} (replicas handed to the autoscaler)")
-        if live is None or needs_write(kube, obj, manager=manager, live=live):
+        wrote = live is None or needs_write(kube, obj, manager=manager, live=live)
+        if wrote:
             try:
                 live = kube.apply(obj, manager=manager)
             except ApiException as exc:
                 exc.failed_object = obj  # the reconciler names what failed (a CRD removed since discovery)
                 raise
             written.append(f"{obj['kind']}/{meta['name']}")
-        if obj["kind"] == "ConfigMap" and litellm_sync_index(kube, live):
-            written.append(f"ConfigMap/{meta['name']} (LiteLLM index)")
+        if obj["kind"] == "ConfigMap":  # a LiteLLM entry: the ConfigMap's index, then its proxies' restart
+            indexed = litellm.sync_index(kube, live)
+            if indexed is not None:
+                written.append(f"ConfigMap/{meta['name']} (LiteLLM index)")
+            if wrote or indexed is not None:
+                written += litellm.restart_consumers(kube, indexed or live)
     return written
 
 

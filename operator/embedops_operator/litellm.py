@@ -14,6 +14,8 @@ including it must keep loading.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 
 from kubernetes.client.rest import ApiException
@@ -24,6 +26,9 @@ log = logging.getLogger("embedops.litellm")
 MANAGER_PREFIX = f"{render.MANAGER}-litellm-"
 INDEX_KEY = "embedops.yaml"
 INDEX_MANAGER = f"{render.MANAGER}-litellm-index"  # not MANAGER_PREFIX + a service name: "index" may be one
+LABEL_CONSUMER = "embedops.dev/litellm-config"  # on a LiteLLM Deployment: the ConfigMap it mounts
+ANNOTATION_HASH = "embedops.dev/litellm-config-hash"  # on its pod template: embedops' entries there
+RESTART_MANAGER = f"{render.MANAGER}-litellm-restart"
 
 
 def manager(service_name: str) -> str:
@@ -35,7 +40,8 @@ def entry_owners(config_map: dict) -> set[str]:
     owners = set()
     for mf in (config_map.get("metadata") or {}).get("managedFields") or []:
         who = mf.get("manager") or ""
-        if not who.startswith(MANAGER_PREFIX) or who == INDEX_MANAGER or mf.get("operation") != "Apply":
+        if not who.startswith(MANAGER_PREFIX) or who in (INDEX_MANAGER, RESTART_MANAGER) \
+                or mf.get("operation") != "Apply":
             continue
         name = who[len(MANAGER_PREFIX):]
         if f"f:{render.litellm_key(name)}" in ((mf.get("fieldsV1") or {}).get("f:data") or {}):
@@ -58,30 +64,29 @@ def index_text(entry_keys) -> str:
             + ("include:\n" + "".join(f"- {k}\n" for k in keys) if keys else "include: []\n"))
 
 
-def sync_index(kube, live: dict | None, attempts: int = 3) -> bool:
+def sync_index(kube, live: dict | None, attempts: int = 3) -> dict | None:
     """Make the ConfigMap's index list exactly its entries. ``live`` is the ConfigMap as last read or written.
     The write carries its resourceVersion, so an entry added meanwhile by another service's reconcile is
     never dropped: on a conflict the ConfigMap is read again (from the API server) and the index recomputed.
-    True when the index was written."""
+    Returns the ConfigMap as written, None when the index was already right."""
     for _ in range(attempts):
         if live is None:
-            return False
+            return None
         data = live.get("data") or {}
         owners = entry_owners(live)
         keys = [render.litellm_key(s) for s in owners if render.litellm_key(s) in data]
         if not keys and INDEX_KEY not in data:
-            return False  # never held an entry: nothing to index
+            return None  # never held an entry: nothing to index
         text = index_text(keys)
         if data.get(INDEX_KEY) == text:
-            return False
+            return None
         meta = live["metadata"]
         try:
-            kube.apply({"apiVersion": "v1", "kind": "ConfigMap",
-                        "metadata": {"name": meta["name"], "namespace": meta["namespace"],
-                                     "resourceVersion": meta["resourceVersion"],
-                                     "labels": {render.LABEL_LITELLM: "true"}},
-                        "data": {INDEX_KEY: text}}, manager=INDEX_MANAGER)
-            return True
+            return kube.apply({"apiVersion": "v1", "kind": "ConfigMap",
+                               "metadata": {"name": meta["name"], "namespace": meta["namespace"],
+                                            "resourceVersion": meta["resourceVersion"],
+                                            "labels": {render.LABEL_LITELLM: "true"}},
+                               "data": {INDEX_KEY: text}}, manager=INDEX_MANAGER)
         except ApiException as exc:
             if exc.status != 409:
                 raise
@@ -89,7 +94,39 @@ def sync_index(kube, live: dict | None, attempts: int = 3) -> bool:
     log.warning("LiteLLM index of %s/%s: still conflicting after %d attempts; the next reconcile retries",
                 (live or {}).get("metadata", {}).get("namespace"), (live or {}).get("metadata", {}).get("name"),
                 attempts)
-    return False
+    return None
+
+
+def config_hash(live: dict) -> str:
+    """What a LiteLLM proxy reads of embedops in this ConfigMap: the entries and the index."""
+    data = live.get("data") or {}
+    ours = {k: v for k, v in data.items() if k == INDEX_KEY or k.startswith("embedops-")}
+    return hashlib.sha256(json.dumps(ours, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def restart_consumers(kube, live: dict | None) -> list[str]:
+    """LiteLLM reads its config at start only. Deployments labelled ``embedops.dev/litellm-config: <this
+    ConfigMap>`` (the LiteLLM proxy's, which a platform team labels) get the hash of embedops' entries in their
+    pod template, so a changed entry set rolls them out (a Deployment's usual rolling update, under the
+    manager embedops-litellm-restart, which owns only that annotation). Returns the Deployments written."""
+    if live is None:
+        return []
+    meta = live["metadata"]
+    raw = getattr(kube, "kube", kube)  # not the operator's caches: they hold only its own Deployments
+    digest = config_hash(live)
+    written = []
+    for d in raw.list("apps/v1", "Deployment", meta["namespace"], f"{LABEL_CONSUMER}={meta['name']}"):
+        template = ((d.get("spec") or {}).get("template") or {}).get("metadata") or {}
+        if (template.get("annotations") or {}).get(ANNOTATION_HASH) == digest:
+            continue
+        raw.apply({"apiVersion": "apps/v1", "kind": "Deployment",
+                   "metadata": {"name": d["metadata"]["name"], "namespace": meta["namespace"]},
+                   "spec": {"template": {"metadata": {"annotations": {ANNOTATION_HASH: digest}}}}},
+                  manager=RESTART_MANAGER)
+        written.append(f"Deployment/{d['metadata']['name']}")
+    if written:
+        log.info("%s/%s: LiteLLM entries changed; rolling %s", meta["namespace"], meta["name"], written)
+    return written
 
 
 def remove_entry(kube, namespace: str, config_map: str, service_name: str) -> None:
@@ -101,7 +138,7 @@ def remove_entry(kube, namespace: str, config_map: str, service_name: str) -> No
         return
     after = kube.apply({"apiVersion": "v1", "kind": "ConfigMap",
                         "metadata": {"name": config_map, "namespace": namespace}}, manager=manager(service_name))
-    sync_index(kube, after)
+    restart_consumers(kube, sync_index(kube, after) or after)
 
 
 def sweep(kube, namespace: str | None, only: str | None = None) -> list[str]:

@@ -1,5 +1,7 @@
-"""Gateway routes on a real Gateway API implementation (issue 19): Traefik v3, built from its Go module and
-run as a pod on the real node (localcluster/gateway.py), reads the HTTPRoutes the operator renders.
+"""Gateway routes and LiteLLM on the real software (issue 19). Traefik v3, built from its Go module and run as
+a pod on the real node (localcluster/gateway.py), reads the HTTPRoutes the operator renders; LiteLLM's proxy
+(localcluster/litellm_proxy.py's image) runs as a pod reading the shared ConfigMap the operator writes,
+mounted as a folder, and is rolled out by the operator when services come and go.
 
 What a platform team finds out only in production, checked on real pods: the gateway accepts the route
 (``Accepted`` and ``ResolvedRefs`` in its status, and the EmbeddingService's ``RoutesReady`` says so); every
@@ -19,9 +21,13 @@ import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
-from localcluster import gateway
-from localcluster.workloads import prerequisites
+from localcluster import gateway, litellm_proxy
+from localcluster.workloads import REAL_NODE_TOLERATIONS, prerequisites
+from embedops_operator.litellm import ANNOTATION_HASH as LITELLM_HASH
+from embedops_operator.litellm import INDEX_KEY as LITELLM_INDEX
+from embedops_operator.litellm import LABEL_CONSUMER as LITELLM_CONSUMER
 from tests.e2e.conftest import GROUP, PLURAL, VERSION, wait_for
 from tests.e2e.real_pods import LOAD_CLIENT, client_pod, pod_log
 from tests.e2e.test_real_pods import (RERANKER_DOC, _kubeconfig, example, ns, on_real_node, real,  # noqa: F401
@@ -91,10 +97,10 @@ def routed(kube, real, ns, svc, gw):  # noqa: F811
     return {d["metadata"]["name"]: d for d in docs}
 
 
-def call(base: str, path: str, body=None, host: str | None = None) -> tuple[int, bytes]:
+def call(base: str, path: str, body=None, host: str | None = None, headers: dict | None = None) -> tuple[int, bytes]:
     """(status, body bytes) of one request; a GET when ``body`` is None."""
     data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", **({"Host": host} if host else {})}
+    headers = {"Content-Type": "application/json", **({"Host": host} if host else {}), **(headers or {})}
     req = urllib.request.Request(base + path, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
@@ -238,3 +244,130 @@ def test_rollout_through_the_gateway_loses_no_request(kube, routed, gw, svc, rea
     summary = stop_load(kube, svc, "load-gateway")
     print(f"rollout under load (4 client threads through Traefik to the Service's pods): {summary}")
     assert summary["ok"] > 0 and summary["failed"] == 0, summary
+
+
+# ---------------------------------------------------------------------------------------------- LiteLLM
+
+LITELLM_CM = "litellm-models"
+LITELLM_PORT = 4000
+MASTER = {"Authorization": f"Bearer {litellm_proxy.MASTER_KEY}"}
+
+
+def litellm_manifests(ns: str, image: str, node_selector: dict) -> list[dict]:
+    """What a platform team writes for LiteLLM (its config including the operator's index, the proxy's
+    Deployment mounting the shared ConfigMap as a folder and labelled as its consumer, a Service)."""
+    labels = {"app.kubernetes.io/name": "litellm"}
+    config = {"include": [f"/etc/litellm-embedops/{LITELLM_INDEX}"]}
+    return [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "litellm-config", "namespace": ns},
+         "data": {"config.yaml": json.dumps(config)}},
+        {"apiVersion": "apps/v1", "kind": "Deployment",
+         "metadata": {"name": "litellm", "namespace": ns, "labels": {**labels, LITELLM_CONSUMER: LITELLM_CM}},
+         "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                  "strategy": {"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                  "template": {"metadata": {"labels": labels}, "spec": {
+                      "nodeSelector": node_selector, "tolerations": REAL_NODE_TOLERATIONS,
+                      "containers": [{
+                          "name": "litellm", "image": image, "imagePullPolicy": "IfNotPresent",
+                          "args": ["--config", "/etc/litellm/config.yaml", "--port", str(LITELLM_PORT)],
+                          "env": [{"name": "LITELLM_MASTER_KEY", "value": litellm_proxy.MASTER_KEY}],
+                          "ports": [{"name": "http", "containerPort": LITELLM_PORT}],
+                          "readinessProbe": {"httpGet": {"path": "/health/readiness", "port": LITELLM_PORT},
+                                             "periodSeconds": 2},
+                          "resources": {"requests": {"cpu": "50m", "memory": "256Mi"}, "limits": {"memory": "1536Mi"}},
+                          "volumeMounts": [{"name": "config", "mountPath": "/etc/litellm"},
+                                           {"name": "embedops", "mountPath": "/etc/litellm-embedops"},
+                                           {"name": "tmp", "mountPath": "/tmp"}]}],
+                      "volumes": [{"name": "config", "configMap": {"name": "litellm-config"}},
+                                  {"name": "embedops", "configMap": {"name": LITELLM_CM}},
+                                  {"name": "tmp", "emptyDir": {}}]}}}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "litellm", "namespace": ns},
+         "spec": {"selector": labels, "ports": [{"name": "http", "port": LITELLM_PORT, "targetPort": "http"}]}},
+    ]
+
+
+def litellm_pod(svc, template_hash: str | None = None):  # noqa: F811
+    """The one ready LiteLLM pod (of the pod template carrying ``template_hash``, when given)."""
+    pods = [p for p in svc.core.list_namespaced_pod(svc.ns, label_selector="app.kubernetes.io/name=litellm").items
+            if p.metadata.deletion_timestamp is None and p.status.pod_ip
+            and all(c.ready for c in p.status.container_statuses or [False])
+            and (template_hash is None or (p.metadata.annotations or {}).get(LITELLM_HASH) == template_hash)]
+    return pods[0] if len(pods) == 1 else None
+
+
+def proxy_models(pod) -> set[str]:
+    status, body = call(f"http://{pod.status.pod_ip}:{LITELLM_PORT}", "/v1/models", None, headers=MASTER)
+    assert status == 200, body
+    return {m["id"] for m in json.loads(body)["data"]}
+
+
+def set_litellm(svc, name: str, value) -> None:  # noqa: F811
+    svc.co.patch_namespaced_custom_object(GROUP, VERSION, svc.ns, PLURAL, name, {"spec": {"litellm": value}})
+
+
+@pytest.fixture(scope="module")
+def proxy(kube, routed, svc, real):  # noqa: F811
+    """The LiteLLM proxy as a pod, after the embedder and the reranker gained LiteLLM entries."""
+    image = litellm_proxy.image()
+    kube.import_images([image])
+    set_litellm(svc, EMBED, {"configMapName": LITELLM_CM, "modelName": "minilm"})
+    set_litellm(svc, RERANK, {"configMapName": LITELLM_CM, "modelName": "reranker"})
+
+    def indexed():
+        cm = svc.core.read_namespaced_config_map(LITELLM_CM, svc.ns)
+        return cm if yaml.safe_load((cm.data or {}).get(LITELLM_INDEX, "{}") or "{}").get("include") == [
+            f"embedops-{EMBED}.yaml", f"embedops-{RERANK}.yaml"] else None
+    wait_for(indexed, timeout=60, what="both entries in the LiteLLM ConfigMap's index")
+    kube.apply(litellm_manifests(svc.ns, image.ref, real.node_selector), namespace=svc.ns)
+    t = time.monotonic()
+    pod = wait_for(lambda: litellm_pod(svc), timeout=240, what="a ready LiteLLM pod")
+    print(f"LiteLLM pod ready in {time.monotonic() - t:.0f}s")
+    return pod
+
+
+def test_litellm_in_the_cluster_serves_the_operators_entries(proxy, routed, svc):  # noqa: F811
+    assert proxy_models(proxy) == {"minilm", "reranker"}
+    url = f"http://{proxy.status.pod_ip}:{LITELLM_PORT}"
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key=litellm_proxy.MASTER_KEY, timeout=60)
+    via = client.embeddings.create(model="minilm", input=TEXTS, encoding_format="float")
+    status, body = call(backend(svc, EMBED), "/v1/embeddings", {"model": "all-MiniLM-L6-v2", "input": TEXTS})
+    want = [d["embedding"] for d in sorted(json.loads(body)["data"], key=lambda d: d["index"])]
+    got = [d.embedding for d in sorted(via.data, key=lambda d: d.index)]
+    worst = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
+    print(f"OpenAI SDK -> LiteLLM pod -> Service: max |diff| to the server {worst:.1e}")
+    assert len(got) == len(want) == 2 and worst < 1e-6
+    status, body = call(url, "/rerank", {"model": "reranker", "query": QUERY, "documents": PASSAGES},
+                        headers=MASTER)
+    assert status == 200, body
+    got = {r["index"]: r["relevance_score"] for r in json.loads(body)["results"]}
+    _, direct = call(backend(svc, RERANK), "/rerank", {"query": QUERY, "texts": PASSAGES})
+    want = {r["index"]: r["score"] for r in json.loads(direct)}
+    print(f"LiteLLM /rerank (huggingface/ provider -> Service /rerank): {got}; the server: {want}")
+    assert got.keys() == want.keys() and all(abs(got[i] - want[i]) < 1e-6 for i in want)
+
+
+def test_a_service_added_or_removed_reaches_the_running_proxy(proxy, routed, svc):  # noqa: F811
+    """The operator rolls the labelled LiteLLM Deployment when its entries change: no hand edit, no restart
+    by hand. Timed from the EmbeddingService change to a ready proxy pod that lists the new set."""
+    from embedops_operator import litellm as entries
+
+    for change, value, want in (("added", {"configMapName": LITELLM_CM, "modelName": "m3"},
+                                 {"minilm", "reranker", "m3"}),
+                                ("removed", None, {"minilm", "reranker"})):
+        t = time.monotonic()
+        set_litellm(svc, M3, value)
+
+        def rolled():
+            cm = svc.core.read_namespaced_config_map(LITELLM_CM, svc.ns)
+            digest = entries.config_hash({"data": cm.data or {}})
+            pod = litellm_pod(svc, digest)
+            return (pod, digest) if pod is not None and proxy_models(pod) == want else None
+        pod, digest = wait_for(rolled, timeout=300, what=f"a LiteLLM pod that lists {sorted(want)}")
+        from kubernetes import client
+
+        dep = client.AppsV1Api(svc.core.api_client).read_namespaced_deployment("litellm", svc.ns)
+        print(f"m3 {change}: a ready LiteLLM pod lists {sorted(want)} {time.monotonic() - t:.0f}s after the change "
+              f"(pod template hash {digest})")
+        assert dep.spec.template.metadata.annotations[LITELLM_HASH] == digest
