@@ -450,8 +450,8 @@ def test_missing_optional_crds_give_conditions_then_are_picked_up(ctx, operator)
     finally:
         ctx.kube.install_crds(OPTIONAL)  # the later tests need them, whatever happened here
     ctx.wait_condition("opt", "MonitoringReady", "True", timeout=90)
-    # the route is written; no gateway controller runs in this cluster to accept it (tests/e2e/test_gateway.py
-    # has Traefik accept one)
+    # the route is written; no gateway controller runs in this cluster to accept it
+    # (tests/e2e/test_gateway_and_litellm.py has Traefik accept one)
     es = ctx.wait_condition("opt", "RoutesReady", "Unknown", "WaitingForGateway", timeout=60)
     es = ctx.wait_condition("opt", "AutoscalingReady", "True", "KEDA", timeout=60)
     uid = es["metadata"]["uid"]
