@@ -20,9 +20,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.rest import ApiException
 
-from . import metrics, render, spec
-from . import litellm
-from .litellm import manager as litellm_manager
+from . import litellm, metrics, render, spec
 
 log = logging.getLogger("embedops.apply")
 
@@ -454,7 +452,7 @@ def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> list[
     for obj in manifests:
         # The shared LiteLLM ConfigMap gets one field manager per service, so services never remove
         # each other's keys.
-        manager = litellm_manager(service_name) if obj["kind"] == "ConfigMap" else render.MANAGER
+        manager = litellm.manager(service_name) if obj["kind"] == "ConfigMap" else render.MANAGER
         meta = obj["metadata"]
         live = kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
         if hand_over_replicas(kube, obj, live):
