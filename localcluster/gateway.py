@@ -29,7 +29,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from .components import TRAEFIK_VERSION, expand, provided
-from .workloads import REAL_NODE_TOLERATIONS
+from .workloads import REAL_NODE_TOLERATIONS, controller_access
 
 NAMESPACE = "gateway"
 GATEWAY = "embedops"
@@ -83,15 +83,7 @@ def manifests(image: str, node_selector: dict) -> list[dict]:
         "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "allowPrivilegeEscalation": False,
                             "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}}
     return [
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}},
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "traefik", "namespace": NAMESPACE}},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-         "metadata": {"name": "embedops:traefik-gateway"}, "rules": rules},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-         "metadata": {"name": "embedops:traefik-gateway"},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                     "name": "embedops:traefik-gateway"},
-         "subjects": [{"kind": "ServiceAccount", "name": "traefik", "namespace": NAMESPACE}]},
+        *controller_access(NAMESPACE, "traefik", rules),
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "traefik", "namespace": NAMESPACE,
                                                                      "labels": labels},
          "spec": {"replicas": 1, "selector": {"matchLabels": labels},

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .components import PROMETHEUS_VERSION, expand, provided
-from .workloads import REAL_NODE_TOLERATIONS
+from .workloads import REAL_NODE_TOLERATIONS, controller_access
 
 NAMESPACE = "monitoring"
 PROMETHEUS = "embedops"
@@ -62,14 +62,7 @@ def manifests(prometheus_image: str, node_selector: dict) -> list[dict]:
              {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]},
              {"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
     return [
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}},
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "prometheus", "namespace": NAMESPACE}},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-         "metadata": {"name": "embedops:prometheus"}, "rules": rules},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-         "metadata": {"name": "embedops:prometheus"},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "embedops:prometheus"},
-         "subjects": [{"kind": "ServiceAccount", "name": "prometheus", "namespace": NAMESPACE}]},
+        *controller_access(NAMESPACE, "prometheus", rules),
         {"apiVersion": "monitoring.coreos.com/v1", "kind": "Prometheus",
          "metadata": {"name": PROMETHEUS, "namespace": NAMESPACE},
          "spec": {"image": prometheus_image, "version": f"v{PROMETHEUS_VERSION}", "replicas": 1,

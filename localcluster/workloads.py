@@ -3,7 +3,9 @@
 * ``prerequisites``: what the examples reference and a platform team provides (the model PVC bound to a
   hostPath PersistentVolume, the API-key Secret).
 * ``for_real_node``: an example placed on the real node (``localcluster/node.py``) and sized for a 2-core
-  machine. The real node is tainted so that pods of other tests (images no registry holds) stay on the kwok
+  machine.
+* ``controller_access``: the namespace, ServiceAccount and cluster-wide RBAC a controller of the local cluster
+  (Prometheus, Traefik) runs with. The real node is tainted so that pods of other tests (images no registry holds) stay on the kwok
   nodes; what is meant for it tolerates the taint.
 """
 from __future__ import annotations
@@ -64,3 +66,18 @@ def for_real_node(doc: dict, image: str | None, node_selector: dict) -> dict:
     spec["resources"] = {"requests": {"cpu": "100m"}}
     spec["drainSeconds"] = 5
     return d
+
+
+def controller_access(namespace: str, account: str, rules: list[dict]) -> list[dict]:
+    """A controller's namespace, its ServiceAccount, and the ClusterRole ``embedops:<account>`` granting it
+    ``rules`` everywhere, bound to that account."""
+    role = f"embedops:{account}"
+    return [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account, "namespace": namespace}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": role},
+         "rules": rules},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": role},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]},
+    ]
