@@ -94,7 +94,8 @@ class Builder:
     def go_install(self, c: Component, r: GoInstall, dest: Path) -> None:
         ldflags = "-s -w" + (f" -X {r.version_var}={r.stamped_version}" if r.version_var else "")
         with tempfile.TemporaryDirectory(dir=self.tmp) as gobin:
-            self.run(c, ["go", "install", "-trimpath", f"-ldflags={ldflags}", f"{r.package}@{c.version}"],
+            tags = [f"-tags={','.join(r.tags)}"] if r.tags else []
+            self.run(c, ["go", "install", "-trimpath", *tags, f"-ldflags={ldflags}", f"{r.package}@{c.version}"],
                      env={"GOFLAGS": "", "GOBIN": gobin, **({} if r.cgo else {"CGO_ENABLED": "0"})})
             self.check_and_place(c, Path(gobin) / r.binary, dest / r.binary)
 

@@ -56,6 +56,7 @@ class GoInstall:
     version_var: str = ""  # a `-X` variable stamped with ``stamped_version`` (the binaries print it)
     stamped_version: str = ""
     cgo: bool = True  # False: a static binary, for an image (the Debian base's glibc may be older)
+    tags: tuple[str, ...] = ()  # Go build tags (part of the component's cache key)
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,8 @@ class Component:
         binary instead of reusing an old one."""
         folders = [r.folder for r in self.recipes if isinstance(r, (GoMain, GoPackages))]
         if not folders:
-            return ""
+            tags = sorted({t for r in self.recipes if isinstance(r, GoInstall) for t in r.tags})
+            return hashlib.sha256(",".join(tags).encode()).hexdigest()[:8] if tags else ""
         d = RECIPES / folders[0]
         main = d / "main.go" if (d / "main.go").exists() else d / "tools.go"
         return hashlib.sha256(main.read_bytes() + (d / "go.mod").read_bytes()).hexdigest()[:8]
@@ -139,6 +141,10 @@ _KEDA_FOLDERS = tuple(dict.fromkeys(m.split("/")[1] for m in KEDA_MANIFESTS))
 PROMETHEUS_MODULE_VERSION = "v0.316.0"  # Prometheus 3.x publishes its Go module as v0.3MM.P for 3.MM.P
 PROMETHEUS_VERSION = "3.16.0"
 PROMETHEUS_VERSION_VAR = "github.com/prometheus/common/version.Version"
+# Prometheus' own build tags for its service discovery plugins (plugins/plugin_*.go): Kubernetes' only, which
+# is what Prometheus Operator's ServiceMonitors use; the other twenty-six link cloud SDKs (AWS, Azure, GCE,
+# ...) that only lengthen the build
+PROMETHEUS_TAGS = ("remove_all_sd", "enable_kubernetes_sd")
 GATEWAY_API_VERSION = "v1.6.3"
 # The standard channel's kinds a gateway controller watches: Traefik's informers wait for GRPCRoute,
 # ReferenceGrant and BackendTLSPolicy too, and never sync without their CRDs
@@ -209,11 +215,14 @@ COMPONENTS: tuple[Component, ...] = (
     Component(
         "prometheus", PROMETHEUS_MODULE_VERSION,
         (GoInstall("github.com/prometheus/prometheus/cmd/prometheus", "prometheus",
-                   version_var=PROMETHEUS_VERSION_VAR, stamped_version=PROMETHEUS_VERSION, cgo=False),
+                   version_var=PROMETHEUS_VERSION_VAR, stamped_version=PROMETHEUS_VERSION, cgo=False,
+                   tags=PROMETHEUS_TAGS),
          GoInstall("github.com/prometheus/prometheus/cmd/promtool", "promtool",
-                   version_var=PROMETHEUS_VERSION_VAR, stamped_version=PROMETHEUS_VERSION, cgo=False)),
+                   version_var=PROMETHEUS_VERSION_VAR, stamped_version=PROMETHEUS_VERSION, cgo=False,
+                   tags=PROMETHEUS_TAGS)),
         ("prometheus", "promtool"),
-        about=f"Prometheus {PROMETHEUS_VERSION} (no web UI assets: its HTTP API only) and promtool"),
+        about=f"Prometheus {PROMETHEUS_VERSION} (no web UI assets: its HTTP API only; Kubernetes service "
+              "discovery only) and promtool"),
     # KEDA's operator and metrics API server (its external-metrics adapter), run as pods on the real node by
     # localcluster/monitoring.py; the admission webhooks are left out (optional in KEDA's own install)
     Component(
