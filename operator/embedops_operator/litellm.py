@@ -25,10 +25,12 @@ from . import render, spec
 log = logging.getLogger("embedops.litellm")
 MANAGER_PREFIX = f"{render.MANAGER}-litellm-"
 INDEX_KEY = "embedops.yaml"
-INDEX_MANAGER = f"{render.MANAGER}-litellm-index"  # not MANAGER_PREFIX + a service name: "index" may be one
+# Outside MANAGER_PREFIX ("_" is in no object name): "embedops-litellm-index" would be the manager of a
+# service named "index", and the index's apply would take that service's entry away
+INDEX_MANAGER = f"{render.MANAGER}-litellm_index"
 LABEL_CONSUMER = "embedops.dev/litellm-config"  # on a LiteLLM Deployment: the ConfigMap it mounts
 ANNOTATION_HASH = "embedops.dev/litellm-config-hash"  # on its pod template: embedops' entries there
-RESTART_MANAGER = f"{render.MANAGER}-litellm-restart"
+RESTART_MANAGER = f"{render.MANAGER}-litellm_restart"
 
 
 def manager(service_name: str) -> str:
@@ -40,8 +42,7 @@ def entry_owners(config_map: dict) -> set[str]:
     owners = set()
     for mf in (config_map.get("metadata") or {}).get("managedFields") or []:
         who = mf.get("manager") or ""
-        if not who.startswith(MANAGER_PREFIX) or who in (INDEX_MANAGER, RESTART_MANAGER) \
-                or mf.get("operation") != "Apply":
+        if not who.startswith(MANAGER_PREFIX) or mf.get("operation") != "Apply":
             continue
         name = who[len(MANAGER_PREFIX):]
         if f"f:{render.litellm_key(name)}" in ((mf.get("fieldsV1") or {}).get("f:data") or {}):
@@ -108,7 +109,7 @@ def restart_consumers(kube, live: dict | None) -> list[str]:
     """LiteLLM reads its config at start only. Deployments labelled ``embedops.dev/litellm-config: <this
     ConfigMap>`` (the LiteLLM proxy's, which a platform team labels) get the hash of embedops' entries in their
     pod template, so a changed entry set rolls them out (a Deployment's usual rolling update, under the
-    manager embedops-litellm-restart, which owns only that annotation). Returns the Deployments written."""
+    manager embedops-litellm_restart, which owns only that annotation). Returns the Deployments written."""
     if live is None:
         return []
     meta = live["metadata"]

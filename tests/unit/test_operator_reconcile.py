@@ -415,3 +415,17 @@ def test_the_deployment_cache_keeps_only_the_replicas_owners():
     assert view["metadata"]["managedFields"] == [
         {"manager": R.MANAGER, "operation": "Apply", "fieldsV1": {"f:spec": {"f:replicas": {}}}}]
     assert A.owns_replicas(view, R.MANAGER) and not A.owns_replicas(view, "kubectl")
+
+
+def test_a_service_named_index_keeps_its_litellm_entry_apart_from_the_index():
+    """The index's field manager is no service's: a service named "index" (manager embedops-litellm-index)
+    is an entry owner, the index's own manager is not."""
+    from embedops_operator import litellm
+
+    cm = {"metadata": {"managedFields": [
+        {"manager": litellm.manager("index"), "operation": "Apply",
+         "fieldsV1": {"f:data": {f"f:{R.litellm_key('index')}": {}}}},
+        {"manager": litellm.INDEX_MANAGER, "operation": "Apply", "fieldsV1": {"f:data": {f"f:{litellm.INDEX_KEY}": {}}}},
+    ]}, "data": {R.litellm_key("index"): "model_list: []\n", litellm.INDEX_KEY: "include: []\n"}}
+    assert litellm.manager("index") != litellm.INDEX_MANAGER
+    assert litellm.entry_owners(cm) == {"index"}

@@ -1,4 +1,5 @@
-"""Run the app under uvicorn with a drain-aware SIGTERM: stop admitting, finish in-flight work, exit."""
+"""Run the app under uvicorn with a drain-aware SIGTERM: health 503, no new connections, open ones retired,
+in-flight work finished, exit."""
 from __future__ import annotations
 
 import asyncio
