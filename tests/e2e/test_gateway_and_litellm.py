@@ -23,12 +23,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from localcluster import gateway, litellm_proxy
+from localcluster import gateway, litellm_proxy, vector_store
+from localcluster.models import MINILM, RERANKER
 from localcluster.workloads import REAL_NODE_TOLERATIONS, prerequisites
 from embedops_operator.litellm import ANNOTATION_HASH as LITELLM_HASH
 from embedops_operator.litellm import INDEX_KEY as LITELLM_INDEX
 from embedops_operator.litellm import LABEL_CONSUMER as LITELLM_CONSUMER
-from tests.e2e.conftest import GROUP, PLURAL, VERSION, wait_for
+from tests.e2e.conftest import GROUP, PLURAL, REPO, VERSION, wait_for
 from tests.e2e.real_pods import LOAD_CLIENT, client_pod, pod_log
 from tests.e2e.test_real_pods import (RERANKER_DOC, _kubeconfig, example, ns, on_real_node, real,  # noqa: F401
                                       rolled_out, stop_load, svc, wait_ready)
@@ -82,6 +83,7 @@ def routed(kube, real, ns, svc, gw):  # noqa: F811
     rerank = on_real_node(RERANKER_DOC, real)
     rerank["metadata"]["name"] = RERANK
     rerank["spec"]["gateway"] = {"parentRefs": [gateway.PARENT_REF], "hostnames": [RERANK_HOST]}
+    rerank["spec"]["batching"]["maxClientBatchSize"] = 64  # the query-time pattern reranks 50 candidates at once
     m3 = on_real_node(example(), real)
     m3["metadata"]["name"] = M3
     model = tiny_m3(Path(real.models_hostpath))
@@ -249,41 +251,47 @@ def test_rollout_through_the_gateway_loses_no_request(kube, routed, gw, svc, rea
 # ---------------------------------------------------------------------------------------------- LiteLLM
 
 LITELLM_CM = "litellm-models"
+LITELLM_UPSTREAM_IMAGE = "ghcr.io/berriai/litellm:main-stable"  # what examples/query-time/litellm.yaml names
 LITELLM_PORT = 4000
 MASTER = {"Authorization": f"Bearer {litellm_proxy.MASTER_KEY}"}
 
 
+QUERY_TIME = REPO / "examples" / "query-time"
+
+
+def example_manifests(file: str, ns: str, images: dict[str, str], node_selector: dict,
+                      env: dict[str, str] | None = None, args: list[str] | None = None) -> list[dict]:
+    """examples/query-time/<file> as this cluster runs it: in namespace ``ns``, each upstream image replaced by
+    the local one ``images`` maps it to (no registry can be reached here), pods placed on the real node, and
+    ``env`` values (the services' URLs, which name the test's services) and ``args`` replacing the example's."""
+    docs = [d for d in yaml.safe_load_all((QUERY_TIME / file).read_text()) if d]
+    for d in docs:
+        d["metadata"]["namespace"] = ns
+        pod = (d.get("spec") or {}).get("template", {}).get("spec")
+        if pod is None:
+            continue
+        pod["nodeSelector"] = {**(pod.get("nodeSelector") or {}), **node_selector}
+        pod["tolerations"] = list(pod.get("tolerations") or []) + REAL_NODE_TOLERATIONS
+        for c in pod["containers"]:
+            c["image"] = images[c["image"]]
+            c["imagePullPolicy"] = "IfNotPresent"
+            if env:
+                kept = [e for e in c.get("env") or [] if e.get("name") not in env]
+                c["env"] = kept + [{"name": k, "value": v} for k, v in env.items()]
+            if args is not None:
+                c["args"] = args
+    return docs
+
+
 def litellm_manifests(ns: str, image: str, node_selector: dict) -> list[dict]:
-    """What a platform team writes for LiteLLM (its config including the operator's index, the proxy's
-    Deployment mounting the shared ConfigMap as a folder and labelled as its consumer, a Service)."""
-    labels = {"app.kubernetes.io/name": "litellm"}
-    config = {"include": [f"/etc/litellm-embedops/{LITELLM_INDEX}"]}
-    return [
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "litellm-config", "namespace": ns},
-         "data": {"config.yaml": json.dumps(config)}},
-        {"apiVersion": "apps/v1", "kind": "Deployment",
-         "metadata": {"name": "litellm", "namespace": ns, "labels": {**labels, LITELLM_CONSUMER: LITELLM_CM}},
-         "spec": {"replicas": 1, "selector": {"matchLabels": labels},
-                  "strategy": {"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-                  "template": {"metadata": {"labels": labels}, "spec": {
-                      "nodeSelector": node_selector, "tolerations": REAL_NODE_TOLERATIONS,
-                      "containers": [{
-                          "name": "litellm", "image": image, "imagePullPolicy": "IfNotPresent",
-                          "args": ["--config", "/etc/litellm/config.yaml", "--port", str(LITELLM_PORT)],
-                          "env": [{"name": "LITELLM_MASTER_KEY", "value": litellm_proxy.MASTER_KEY}],
-                          "ports": [{"name": "http", "containerPort": LITELLM_PORT}],
-                          "readinessProbe": {"httpGet": {"path": "/health/readiness", "port": LITELLM_PORT},
-                                             "periodSeconds": 2},
-                          "resources": {"requests": {"cpu": "50m", "memory": "256Mi"}, "limits": {"memory": "1536Mi"}},
-                          "volumeMounts": [{"name": "config", "mountPath": "/etc/litellm"},
-                                           {"name": "embedops", "mountPath": "/etc/litellm-embedops"},
-                                           {"name": "tmp", "mountPath": "/tmp"}]}],
-                      "volumes": [{"name": "config", "configMap": {"name": "litellm-config"}},
-                                  {"name": "embedops", "configMap": {"name": LITELLM_CM}},
-                                  {"name": "tmp", "emptyDir": {}}]}}}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "litellm", "namespace": ns},
-         "spec": {"selector": labels, "ports": [{"name": "http", "port": LITELLM_PORT, "targetPort": "http"}]}},
-    ]
+    """What a platform team writes for LiteLLM: examples/query-time/litellm.yaml (its config including the
+    operator's index, the proxy's Deployment mounting the shared ConfigMap as a folder and labelled as its
+    consumer, a Service), with this proxy's master key."""
+    docs = example_manifests("litellm.yaml", ns, {LITELLM_UPSTREAM_IMAGE: image}, node_selector)
+    for d in docs:
+        if d["kind"] == "Secret":
+            d["stringData"]["key"] = litellm_proxy.MASTER_KEY
+    return docs
 
 
 def litellm_pod(svc, template_hash: str | None = None):  # noqa: F811
@@ -371,3 +379,178 @@ def test_a_service_added_or_removed_reaches_the_running_proxy(proxy, routed, svc
         print(f"m3 {change}: a ready LiteLLM pod lists {sorted(want)} {time.monotonic() - t:.0f}s after the change "
               f"(pod template hash {digest})")
         assert dep.spec.template.metadata.annotations[LITELLM_HASH] == digest
+
+
+# ---------------------------------------------------------------------------------------------- query time
+
+QUERIES = ["Which currency is used in Japan?", "What is the capital of Kenya?", "What language do people speak in Brazil?",
+           "Which continent is Peru in?", "Where do people pay with the forint?"]
+RAG_TOOLS_IMAGE = "registry.example.com/rag-tools:py3-psycopg2"  # what ingest.yaml and query.yaml name
+
+
+def job_output(svc, name: str, timeout: float) -> str:  # noqa: F811
+    """The log of Job ``name``'s pod once the Job has succeeded; the log and the Job's status if it fails."""
+    from kubernetes import client
+
+    batch = client.BatchV1Api(svc.core.api_client)
+
+    def finished():
+        job = batch.read_namespaced_job(name, svc.ns)
+        return job if (job.status.succeeded or 0) > 0 or (job.status.failed or 0) > 0 else None
+    job = wait_for(finished, timeout=timeout, what=f"Job {name} finished")
+    pods = svc.core.list_namespaced_pod(svc.ns, label_selector=f"job-name={name}").items
+    logs = "\n".join(svc.core.read_namespaced_pod_log(p.metadata.name, svc.ns) or "" for p in pods)
+    assert job.status.succeeded, f"Job {name} failed: {job.status}\n{logs[-4000:]}"
+    return logs
+
+
+def in_process_ranking(real, corpus: list[dict], queries: list[str], candidates: int) -> dict[str, dict]:
+    """The same pattern computed here without any server: sentence-transformers embeds the corpus and the
+    query, exact cosine search keeps ``candidates``, transformers' cross-encoder orders them."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    root = Path(real.models_hostpath)
+    st = SentenceTransformer(str(root / MINILM), device="cpu")
+    docs = st.encode([r["text"] for r in corpus], normalize_embeddings=True, convert_to_tensor=True)
+    tok = AutoTokenizer.from_pretrained(str(root / RERANKER))
+    ce = AutoModelForSequenceClassification.from_pretrained(str(root / RERANKER)).eval()
+    out = {}
+    for q in queries:
+        qv = st.encode([q], normalize_embeddings=True, convert_to_tensor=True)
+        near = torch.topk((docs @ qv.T).squeeze(1), candidates).indices.tolist()
+        with torch.inference_mode():
+            logits = ce(**tok([q] * len(near), [corpus[i]["text"] for i in near], padding=True, truncation=True,
+                              max_length=256, return_tensors="pt")).logits[:, 0].tolist()
+        order = sorted(range(len(near)), key=lambda k: -logits[k])
+        out[q] = {"candidates": [corpus[i]["id"] for i in near], "ranked": [corpus[near[k]]["id"] for k in order],
+                  "logits": [logits[k] for k in order]}
+    return out
+
+
+def test_the_query_time_pattern_end_to_end(kube, proxy, routed, gw, svc, real):  # noqa: F811
+    """examples/query-time on real parts: PostgreSQL + pgvector as a pod, the ingestion Job embedding the corpus
+    through the embedder's Service, then a query Job: LiteLLM (pod) -> embedder, pgvector HNSW search for 50
+    candidates, the reranker through Traefik's route. The best passage must be the one sentence-transformers +
+    transformers rank first in this process; each stage's latency is printed."""
+    img = vector_store.image()
+    kube.import_images([img])
+    scripts = {f: (QUERY_TIME / f).read_text() for f in ("ingest.py", "query.py", "corpus.jsonl")}
+    kube.apply([{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "query-time-scripts", "namespace": svc.ns},
+                 "data": scripts}], namespace=svc.ns)
+    local = {"pgvector/pgvector:pg17": img.ref, RAG_TOOLS_IMAGE: img.ref}
+    kube.apply(example_manifests("pgvector.yaml", svc.ns, local, real.node_selector), namespace=svc.ns)
+    t = time.monotonic()
+    kube.apply(example_manifests("ingest.yaml", svc.ns, local, real.node_selector,
+                                 env={"EMBED_URL": f"http://{EMBED}.{svc.ns}.svc.cluster.local"}), namespace=svc.ns)
+    ingested = json.loads(job_output(svc, "ingest-corpus", timeout=300).strip().splitlines()[-1])
+    corpus = [json.loads(line) for line in scripts["corpus.jsonl"].splitlines() if line.strip()]
+    print(f"ingestion Job (Postgres starting beside it): {ingested}; {time.monotonic() - t:.0f}s from apply to done")
+    assert ingested["rows"] == ingested["corpus"] == len(corpus) and ingested["dimension"] == 384, ingested
+
+    kube.apply(example_manifests("query.yaml", svc.ns, local, real.node_selector, args=QUERIES, env={
+        "LITELLM_URL": f"http://litellm.{svc.ns}.svc.cluster.local:{LITELLM_PORT}", "EMBED_MODEL": "minilm",
+        "RERANK_URL": gw.in_cluster_url, "RERANK_HOST": RERANK_HOST}), namespace=svc.ns)
+    answers = [json.loads(line) for line in job_output(svc, "query-once", timeout=240).splitlines()
+               if line.startswith("{")]
+    assert [a["query"] for a in answers] == QUERIES, answers
+
+    want = in_process_ranking(real, corpus, QUERIES, candidates=50)
+    stages = ("embed_via_litellm", "vector_search", "rerank_via_gateway", "total")
+    print(f"{'query':44} {'top (pipeline)':24} {'top (in-process)':24} overlap " + " ".join(f"{s:>18}" for s in stages))
+    for a in answers:
+        w = want[a["query"]]
+        overlap = len(set(a["candidates"]) & set(w["candidates"])) / len(w["candidates"])
+        print(f"{a['query']:44} {a['kept'][0]:24} {w['ranked'][0]:24} {overlap:7.2f} "
+              + " ".join(f"{a['latency_ms'][s]:16.1f}ms" for s in stages))
+        assert len(a["candidates"]) == 50 and overlap >= 0.96, (a, w)
+        # the tiny random reranker's logits sit close together: a candidate within float32 noise of the best
+        # (ONNX Runtime in the pod, torch here) may come first instead
+        tied = {i for i, logit in zip(w["ranked"], w["logits"]) if w["logits"][0] - logit < 1e-5}
+        assert a["kept"][0] in tied, (a, w)
+    # MiniLM itself finds the passage that answers each question among the candidates the reranker sees
+    for a, gold in zip(answers, ("japan-currency", "kenya-capital", "brazil-language", "peru-continent",
+                                 "hungary-currency")):
+        assert gold in a["candidates"][:5], (gold, a["candidates"][:5])
+    import statistics
+
+    print("median latency (ms): " + ", ".join(
+        f"{s} {statistics.median(a['latency_ms'][s] for a in answers):.1f}" for s in stages))
+
+
+# ---------------------------------------------------------------------------------------------- API keys
+
+SECURE, SECURE_KEY = "routed-secure", "sk-e2e-" + uuid.uuid4().hex[:12]
+
+
+def test_a_protected_service_through_the_in_cluster_proxy(kube, proxy, routed, svc, real):  # noqa: F811
+    """A service with apiKeySecretRef: its LiteLLM entry reads the key from the variable it names. Before the
+    platform team gives the proxy that variable, a call through LiteLLM fails with 401 and the server's
+    message (the other services keep answering); with it (from the same Secret), the call succeeds."""
+    from kubernetes import client
+
+    from embedops_operator import litellm as entries
+
+    doc = on_real_node(example(), real)
+    doc["metadata"]["name"] = SECURE
+    doc["spec"]["apiKeySecretRef"] = {"name": "secure-key", "key": "api-key"}
+    doc["spec"]["litellm"] = {"configMapName": LITELLM_CM, "modelName": "secure"}
+    prerequisites(kube, svc.ns, [doc], host_path=real.models_hostpath)
+    kube.apply([{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "secure-key", "namespace": svc.ns},
+                 "stringData": {"api-key": SECURE_KEY}}], namespace=svc.ns)  # after prerequisites' stand-in key
+    svc.create(doc)
+    wait_ready(svc, SECURE, real)
+    want = {"minilm", "reranker", "secure"}
+
+    def rolled(env_name: str | None = None):
+        cm = svc.core.read_namespaced_config_map(LITELLM_CM, svc.ns)
+        pod = litellm_pod(svc, entries.config_hash({"data": cm.data or {}}))
+        if pod is None or proxy_models(pod) != want:
+            return None
+        names = {e.name for c in pod.spec.containers for e in c.env or []}
+        return pod if env_name is None or env_name in names else None
+    pod = wait_for(rolled, timeout=300, what="a LiteLLM pod that lists the protected service")
+    body = {"model": "secure", "input": TEXTS}
+    status, answer = call(f"http://{pod.status.pod_ip}:{LITELLM_PORT}", "/v1/embeddings", body, headers=MASTER)
+    # LiteLLM's OpenAI client refuses to send without a key: 500 naming the missing api_key and the model
+    # group (the host test's reranker entry, huggingface/, sends and gets the server's 401 instead)
+    print(f"without the key variable: {status} {answer[:300]!r}")
+    assert status in (401, 500) and b"api_key" in answer and b"'secure'" in answer, (status, answer)
+    assert call(f"http://{pod.status.pod_ip}:{LITELLM_PORT}", "/v1/embeddings", {"model": "minilm", "input": TEXTS},
+                headers=MASTER)[0] == 200
+
+    entry = yaml.safe_load(svc.core.read_namespaced_config_map(LITELLM_CM, svc.ns).data[f"embedops-{SECURE}.yaml"])
+    env_name = entry["model_list"][0]["litellm_params"]["api_key"].removeprefix("os.environ/")
+    apps = client.AppsV1Api(svc.core.api_client)
+    apps.patch_namespaced_deployment("litellm", svc.ns, {"spec": {"template": {"spec": {"containers": [{
+        "name": "litellm", "env": [{"name": env_name, "valueFrom": {
+            "secretKeyRef": {"name": "secure-key", "key": "api-key"}}}]}]}}}})
+    pod = wait_for(lambda: rolled(env_name), timeout=300, what=f"a LiteLLM pod with {env_name}")
+    status, answer = call(f"http://{pod.status.pod_ip}:{LITELLM_PORT}", "/v1/embeddings", body, headers=MASTER)
+    assert status == 200, answer
+    direct = call(backend(svc, SECURE), "/v1/embeddings", {"model": "all-MiniLM-L6-v2", "input": TEXTS},
+                  headers={"Authorization": f"Bearer {SECURE_KEY}"})
+    assert direct[0] == 200, direct
+    assert call(backend(svc, SECURE), "/v1/embeddings", body)[0] == 401
+    got = [d["embedding"] for d in sorted(json.loads(answer)["data"], key=lambda d: d["index"])]
+    ref = [d["embedding"] for d in sorted(json.loads(direct[1])["data"], key=lambda d: d["index"])]
+    worst = max(abs(a - b) for g, r in zip(got, ref) for a, b in zip(g, r))
+    print(f"with {env_name} from the Secret: 200, max |diff| to the server {worst:.1e}")
+    assert worst < 1e-6
+    # what the proxy hop costs a one-query embedding, side by side (sequential calls from this machine)
+    import statistics
+
+    def median_ms(base: str, path: str, payload: dict, headers: dict) -> float:
+        times = []
+        for _ in range(30):
+            t = time.perf_counter()
+            assert call(base, path, payload, headers=headers)[0] == 200
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+    one = {"input": ["Which currency is used in Japan?"]}
+    via = median_ms(f"http://{pod.status.pod_ip}:{LITELLM_PORT}", "/v1/embeddings", {**one, "model": "secure"}, MASTER)
+    straight = median_ms(backend(svc, SECURE), "/v1/embeddings", {**one, "model": "all-MiniLM-L6-v2"},
+                         {"Authorization": f"Bearer {SECURE_KEY}"})
+    print(f"one-query /v1/embeddings, median of 30: through LiteLLM {via:.1f} ms, straight to the pod {straight:.1f} ms "
+          f"({via / straight:.1f}x)")

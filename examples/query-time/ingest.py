@@ -1,0 +1,96 @@
+"""Ingestion: embed a corpus through the embedder's Service and store it in PostgreSQL + pgvector.
+
+Runs as the Kubernetes Job in ingest.yaml (any image with Python 3 and psycopg2). Standard library HTTP only,
+so the same script runs anywhere. Idempotent: a retried Job (backoffLimit) upserts the same rows.
+
+Environment:
+  EMBED_URL   the embedder's base URL inside the cluster, e.g. http://embedder.rag.svc.cluster.local:80
+  API_KEY     optional; sent as a Bearer token when the service has apiKeySecretRef
+  CORPUS      JSON lines of {"id": ..., "text": ...} (default /app/corpus.jsonl)
+  BATCH       inputs per /embed request (default 32: the server's default maxClientBatchSize)
+  PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE   libpq's own variables
+Prints one JSON line: rows stored, dimension, seconds spent embedding and in total.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import psycopg2
+
+EMBED_URL = os.environ["EMBED_URL"].rstrip("/")
+API_KEY = os.environ.get("API_KEY", "")
+CORPUS = os.environ.get("CORPUS", "/app/corpus.jsonl")
+BATCH = int(os.environ.get("BATCH", "32"))
+
+
+def embed(texts: list[str]) -> list[list[float]]:
+    """POST /embed (TEI's route): one vector per text, L2-normalized, so cosine distance is what pgvector
+    ranks by. 429 (the server's backpressure) and 503 (a pod not ready yet) are retried with backoff; other
+    errors stop the Job with the server's message."""
+    body = json.dumps({"inputs": texts, "normalize": True, "truncate": True}).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {API_KEY}"} if API_KEY else {})}
+    for attempt in range(8):
+        req = urllib.request.Request(EMBED_URL + "/embed", data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return json.load(r)
+        except urllib.error.HTTPError as e:
+            if e.code not in (429, 503):
+                sys.exit(f"ingest: /embed answered {e.code}: {e.read().decode(errors='replace')[:500]}")
+        except (urllib.error.URLError, OSError) as e:  # the Service has no endpoint yet, a reset connection
+            print(f"ingest: /embed not reachable ({e}); retrying", file=sys.stderr)
+        time.sleep(min(2 ** attempt * 0.25, 10))
+    sys.exit("ingest: /embed kept refusing (429/503) after 8 attempts")
+
+
+def connect():
+    """libpq's environment; waits for the database to accept connections (it may start with the Job)."""
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            return psycopg2.connect("")
+        except psycopg2.OperationalError as e:
+            if time.monotonic() > deadline:
+                raise
+            print(f"ingest: database not ready ({str(e).strip()}); retrying", file=sys.stderr)
+            time.sleep(2)
+
+
+def main() -> None:
+    t0 = time.monotonic()
+    with open(CORPUS) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    conn = connect()
+    conn.autocommit = True
+    cur = conn.cursor()
+    cur.execute("CREATE EXTENSION IF NOT EXISTS vector")
+    embed_seconds, dim = 0.0, None
+    for i in range(0, len(rows), BATCH):
+        chunk = rows[i:i + BATCH]
+        t = time.monotonic()
+        vectors = embed([r["text"] for r in chunk])
+        embed_seconds += time.monotonic() - t
+        if dim is None:
+            dim = len(vectors[0])
+            cur.execute(f"CREATE TABLE IF NOT EXISTS passages (id text PRIMARY KEY, body text NOT NULL, "
+                        f"embedding vector({dim}) NOT NULL)")
+        cur.executemany("INSERT INTO passages (id, body, embedding) VALUES (%s, %s, %s::vector) "
+                        "ON CONFLICT (id) DO UPDATE SET body = EXCLUDED.body, embedding = EXCLUDED.embedding",
+                        [(r["id"], r["text"], json.dumps(v)) for r, v in zip(chunk, vectors)])
+    # HNSW on cosine distance: what query.py's ORDER BY embedding <=> ... uses
+    cur.execute("CREATE INDEX IF NOT EXISTS passages_embedding_hnsw ON passages "
+                "USING hnsw (embedding vector_cosine_ops)")
+    cur.execute("ANALYZE passages")
+    cur.execute("SELECT count(*) FROM passages")
+    stored = cur.fetchone()[0]
+    print(json.dumps({"rows": stored, "corpus": len(rows), "dimension": dim,
+                      "embed_seconds": round(embed_seconds, 3), "seconds": round(time.monotonic() - t0, 3)}))
+
+
+if __name__ == "__main__":
+    main()
