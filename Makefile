@@ -3,6 +3,8 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# localcluster.build needs only the standard library, so it runs before (and beside) the venv's creation
+HOSTPY ?= python3
 PYTEST_ARGS ?=
 
 .PHONY: setup host-packages cluster-binaries demo-binaries test demo demo-down e2e-kind bench lint images
@@ -16,16 +18,19 @@ host-packages:
 
 # The local cluster's components (localcluster/components.py: kube-apiserver, controller-manager, scheduler,
 # kubelet, kube-proxy, kwok, etcd, CoreDNS, helm, kstatus, Flux, upstream CRDs), built once per version into
-# ~/.cache/embedops. `$(PY) -m localcluster.build --list` prints the table.
-cluster-binaries: setup
-	$(PY) -m localcluster.build tests
+# ~/.cache/embedops, two at a time. `$(HOSTPY) -m localcluster.build --list` prints the table.
+cluster-binaries:
+	$(HOSTPY) -m localcluster.build tests
 
 # What the demo runs, and nothing it does not (no Flux controllers, no kstatus CLI, no helm).
-demo-binaries: setup
-	$(PY) -m localcluster.build demo
+demo-binaries:
+	$(HOSTPY) -m localcluster.build demo
 
-# The images are built (cached) by the tests that run them; see `images` below.
-test: setup host-packages cluster-binaries
+# The images are built (cached) by the tests that run them; see `images` below. The three prerequisites do
+# not depend on each other, so they run side by side: on a new machine pip's download of torch and the apt
+# packages overlap the Go builds instead of preceding them.
+test:
+	$(MAKE) --no-print-directory -j3 setup host-packages cluster-binaries
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The server (CPU) and operator images, built with podman from a debootstrap base and a host wheelhouse,
@@ -33,7 +38,8 @@ test: setup host-packages cluster-binaries
 images: setup host-packages
 	$(PY) -m localcluster.images build server operator
 
-demo: setup host-packages demo-binaries
+demo:
+	$(MAKE) --no-print-directory -j3 setup host-packages demo-binaries
 	./scripts/demo.sh up
 
 demo-down:

@@ -5,8 +5,9 @@
     python -m localcluster.build etcd helm    # components by name (or set names: demo, tests, crds, ...)
     python -m localcluster.build --list       # the table: name, version, built or not, what it is
 
-Idempotent: a second run finds everything and takes well under a second. One build at a time (the demo and
-the tests may both ask): a lock file in the cache. Each component's output goes to its own log
+Idempotent: a second run finds everything and takes well under a second. One build process at a time (the demo
+and the tests may both ask): a lock file in the cache; inside it, two components at a time, longest first
+(``EMBEDOPS_BUILD_JOBS`` changes how many). Each component's output goes to its own log
 (``<cache>/logs/build-<name>.log``); a failing step stops the build with one line naming the component, the
 command, its exit status and the log, followed by the log's last lines.
 
@@ -27,12 +28,19 @@ import tarfile
 import tempfile
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from .components import (COMPONENTS, KUBERNETES_VERSION, RECIPES, SETS, Component, GoInstall, GoMain,
                          GoModuleBuild, GoPackages, ModuleFiles, NpmArchiveMember, cache_dir, expand)
 
 PREFIX = "cluster-binaries:"
+
+# Seconds each component took in a cold `.ci/run` (docs/cluster.md), only to start the longest builds first:
+# with two at a time, a long one started last would run alone at the end.
+COLD_SECONDS = {"keda-controllers": 536, "traefik": 480, "k8s": 340, "prometheus": 333, "source-controller": 236,
+                "kustomize-controller": 164, "prometheus-operator": 115, "kwok": 100, "coredns": 93, "etcd": 32,
+                "kstatus": 15}
 
 
 class StepFailed(Exception):
@@ -170,15 +178,35 @@ class Builder:
         print(f"{PREFIX} {c.name + ' ' + c.version:<34} {time.monotonic() - t:5.0f}s", file=self.out, flush=True)
         return True
 
-    def build_all(self, components: list[Component]) -> None:
+    def build_all(self, components: list[Component], jobs: int | None = None) -> None:
+        """Build what is missing of ``components``, ``jobs`` at a time (default: $EMBEDOPS_BUILD_JOBS, else 2),
+        the longest first. Two at a time on 2 cores: a Go build leaves a core idle for long stretches (its link,
+        a big package compiled alone, `go mod download`), which the other build fills. The first failure stops
+        what has not started; the builds running finish, then it is raised."""
         for d in (self.logs, self.tmp):
             d.mkdir(parents=True, exist_ok=True)
+        jobs = jobs or int(os.environ.get("EMBEDOPS_BUILD_JOBS", "2"))
+        todo = sorted((c for c in components if not c.built()), key=lambda c: -COLD_SECONDS.get(c.name, 0))
         t = time.monotonic()
         with open(self.cache / ".build.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            built = [c.name for c in components if self.build(c)]
+            if jobs <= 1 or len(todo) <= 1:
+                built = [c.name for c in todo if self.build(c)]
+            else:
+                with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="build") as pool:
+                    futures = [pool.submit(self.build, c) for c in todo]
+                    for f in as_completed(futures):
+                        if f.exception() is not None:
+                            for other in futures:
+                                other.cancel()
+                    built = [c.name for c, f in zip(todo, futures) if not f.cancelled() and f.exception() is None
+                             and f.result()]
+                    failed = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
+                    if failed:
+                        raise failed[0]
         if built:
-            print(f"{PREFIX} {'total':<34} {time.monotonic() - t:5.0f}s", file=self.out, flush=True)
+            print(f"{PREFIX} {'total':<34} {time.monotonic() - t:5.0f}s ({len(built)} built, {jobs} at a time)",
+                  file=self.out, flush=True)
 
 
 def place(src: Path, dst: Path) -> None:

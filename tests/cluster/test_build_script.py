@@ -92,6 +92,33 @@ def test_a_failing_step_names_component_command_and_log(tmp_path):
     assert re.search(r"^etcd\s+v3\.\d+\.\d+\s+no\b", r.stdout, re.M), r.stdout
 
 
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_builds_run_jobs_at_a_time_and_a_failure_stops_what_has_not_started(tmp_path, jobs):
+    """Two components asked for: with EMBEDOPS_BUILD_JOBS=2 both builds run at once (their steps overlap in
+    time); with 1, the first failure stops the build before the second starts. Either way one FAILED line."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    steps = tmp_path / "steps"
+    go = fake_bin / "go"
+    go.write_text(f"#!/bin/sh\necho \"start $(date +%s.%N)\" >> {steps}\nsleep 1\n"
+                  f"echo \"end $(date +%s.%N)\" >> {steps}\nexit 3\n")
+    go.chmod(0o755)
+    env = {**os.environ, "EMBEDOPS_CACHE": str(tmp_path / "cache"), "PATH": f"{fake_bin}:{os.environ['PATH']}",
+           "EMBEDOPS_BUILD_JOBS": str(jobs)}
+    r = subprocess.run([sys.executable, "-m", "localcluster.build", "etcd", "coredns"], capture_output=True,
+                       text=True, timeout=120, env=env, cwd=REPO)
+    assert r.returncode == 3, r.stderr
+    assert len([line for line in r.stderr.splitlines() if "FAILED" in line]) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    events = sorted((float(t), kind) for kind, t in (line.split() for line in steps.read_text().splitlines()))
+    starts = [t for t, kind in events if kind == "start"]
+    if jobs == 1:
+        assert len(starts) == 1, events
+    else:
+        first_end = min(t for t, kind in events if kind == "end")
+        assert len(starts) == 2 and max(starts) < first_end, events
+
+
 def test_an_unknown_component_is_refused_by_name():
     r = subprocess.run([sys.executable, "-m", "localcluster.build", "grafana"], capture_output=True, text=True,
                        timeout=60, cwd=REPO)
