@@ -72,3 +72,14 @@ def test_kustomization_lists_existing_files_and_the_corpus_is_well_formed():
     assert all((FOLDER / f).is_file() for f in files), files
     rows = [json.loads(line) for line in (FOLDER / "corpus.jsonl").read_text().splitlines()]
     assert len({r["id"] for r in rows}) == len(rows) >= 100 and all(r["text"].strip() for r in rows)
+
+
+def test_the_gateway_example_is_the_local_clusters_gateway():
+    """What the e2e test's routes attach to (localcluster/gateway.py) is what the example tells users to apply,
+    and the services' parentRefs name it."""
+    from localcluster import gateway
+
+    local = {d["kind"]: d for d in gateway.manifests("image", {}) if d["kind"] in ("GatewayClass", "Gateway")}
+    assert {d["kind"]: d for d in docs("gateway.yaml")} == local
+    for d in docs("services.yaml"):
+        assert d["spec"]["gateway"]["parentRefs"] == [gateway.PARENT_REF]
