@@ -111,7 +111,17 @@ def test_prometheus_selects_the_service_monitor_by_its_labels_and_scrapes_the_po
                   "metadata": {"name": f"{NAME}-unselected", "namespace": ns}, "spec": sm["spec"]}
     kube.apply([unselected])
 
-    up = _series(stack, f'up{{namespace="{ns}",service="{NAME}"}} == 1', timeout=120)
+    # From the ServiceMonitor to the first successful scrape: Prometheus Operator regenerates the config, the
+    # reloader sees the Secret's volume update (the kubelet syncs it within its sync period, up to a minute),
+    # Prometheus reloads and scrapes. Usually well under a minute; one CI run on a busy machine took over 120 s.
+    started = time.monotonic()
+    try:
+        up = _series(stack, f'up{{namespace="{ns}",service="{NAME}"}} == 1', timeout=240)
+    except AssertionError as e:
+        seen = [(t["scrapePool"], t["health"], t.get("lastError")) for t in stack.targets()]
+        raise AssertionError(f"{e}\nPrometheus' active targets: {seen}\n"
+                             f"operator log: {stack.operator_log.read_text()[-3000:]}") from None
+    print(f"first scrape of the ServiceMonitor's target {time.monotonic() - started:.0f}s after the test began")
     pods = {p.metadata.name for p in svc.pods(NAME)}
     assert {s["metric"]["pod"] for s in up} == pods, up
     assert {s["metric"]["endpoint"] for s in up} == {"http"}
