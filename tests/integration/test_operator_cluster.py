@@ -466,20 +466,34 @@ def test_missing_optional_crds_give_conditions_then_are_picked_up(ctx, operator)
         NS).items if h.metadata.name == "opt"], 60)
 
     # resyncs write nothing to the third-party children either (their CRDs default fields)
-    def rvs():
-        out = {"es": ctx.get_es("opt")["metadata"]["resourceVersion"],
-               "deploy": ctx.deployment("opt").metadata.resource_version}
-        for group, version, plural in [("monitoring.coreos.com", "v1", "servicemonitors"),
-                                       ("gateway.networking.k8s.io", "v1", "httproutes"),
-                                       ("keda.sh", "v1alpha1", "scaledobjects")]:
-            out[plural] = ctx.custom.get_namespaced_custom_object(group, version, NS, plural, "opt")[
-                "metadata"]["resourceVersion"]
+    kinds = {"servicemonitors": ("monitoring.coreos.com", "v1"), "httproutes": ("gateway.networking.k8s.io", "v1"),
+             "scaledobjects": ("keda.sh", "v1alpha1")}
+
+    def snapshot() -> dict[str, dict]:
+        out = {"es": ctx.get_es("opt"),
+               "deploy": ctx.apps.api_client.sanitize_for_serialization(ctx.deployment("opt"))}
+        for plural, (group, version) in kinds.items():
+            out[plural] = ctx.custom.get_namespaced_custom_object(group, version, NS, plural, "opt")
         return out
+
     ctx.wait_condition("opt", "Ready", "True")
     time.sleep(3)
-    before = rvs()
-    time.sleep(7)  # three resyncs
-    assert rvs() == before
+    for attempt in range(3):
+        before = snapshot()
+        time.sleep(7)  # three resyncs
+        after = snapshot()
+        changed = [k for k in before if before[k]["metadata"]["resourceVersion"] != after[k]["metadata"]["resourceVersion"]]
+        if not changed:
+            break
+        for k in changed:  # who wrote what (managedFields, uid), so a rare failure is explained by its log alone
+            print(f"{k} changed in window {attempt + 1}:\n before: {json.dumps(before[k]['metadata'], sort_keys=True)}"
+                  f"\n after: {json.dumps(after[k]['metadata'], sort_keys=True)}")
+        # a child deleted by someone else and created again by the operator (a new uid) means the window was not
+        # quiet, as in _assert_no_writes; the operator rewriting a child it already has is the failure
+        rewritten = [k for k in changed if before[k]["metadata"]["uid"] == after[k]["metadata"]["uid"]]
+        assert not rewritten, f"written on a resync: {rewritten}"
+    else:
+        pytest.fail("children kept being deleted and recreated for 3 windows: could not check that resyncs write nothing")
 
 
 def test_litellm_entry_follows_its_config_map_and_is_swept_after_operator_downtime(ctx, operator):
