@@ -69,7 +69,7 @@ def run_server(wait: bool = True, **kw):
     kw.setdefault("num_threads", 1)
     kw.setdefault("tokenization_workers", 1)
     kw.setdefault("hostname", "127.0.0.1")
-    settings = Settings(port=free_port(), **kw)
+    settings = Settings(**{"port": free_port(), **kw})  # a caller may name the port (an activator's backend)
     app = create_app(settings)
     config = uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_config=None, access_log=False,
                             lifespan="on", timeout_graceful_shutdown=5)

@@ -1,0 +1,280 @@
+"""`embedops-activator`: the address of a service that scales to zero.
+
+With `autoscaling.minReplicas: 0` the operator points the service's Service at this small proxy and the model
+pods sit behind `<name>-backend`. A request that finds a ready replica is forwarded at once. A request that
+finds none (the backend Service refuses the connection: no endpoints) is *held*, retried every
+`--retry-interval` seconds, and forwarded as soon as a replica is Ready; after `--activation-timeout` it gets
+503 with Retry-After. Held requests are never dropped for lack of a pod, so the first request after a scale to
+zero is answered, not refused.
+
+KEDA wakes the Deployment from the activator's `/demand` (admin port, KEDA's metrics-api trigger): requests
+held, in flight, or started within the last `--activity-window` seconds. The window is what keeps a lightly
+used service awake: a request that finished between two of KEDA's polls still counts as activity.
+
+Why not KEDA's HTTP add-on: its Go module cannot be fetched here (docs/operator.md), and a per-service
+activator keeps the service's own address stable for every client (LiteLLM, the HTTPRoute, in-cluster callers).
+
+Only transport lives here: no tensors, no engine. Both ports are served by one uvicorn server; a connection is
+told apart by the port it arrived on.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import logging
+import os
+import socket
+import time
+from typing import Any, Awaitable, Callable
+
+import httpx
+import orjson
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger("embedops.activator")
+
+# Connection-level headers a proxy must not forward (RFC 9110 section 7.6.1); Host and the length are set anew.
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+                        "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
+# Failures that mean the request never reached a server: no endpoint behind the backend Service (refused),
+# a pod going away before it answered. The server's routes are pure functions of their input, so sending
+# such a request again cannot do anything twice.
+NOT_DELIVERED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+class PayloadTooLarge(Exception):
+    pass
+
+
+class Activator:
+    """Holds requests until the backend answers; counts what KEDA reads as demand."""
+
+    def __init__(self, backend: str, activation_timeout: float = 300.0, activity_window: float = 10.0,
+                 retry_interval: float = 0.25, max_body: int = 64 << 20, request_timeout: float = 600.0):
+        self.backend = backend.rstrip("/")
+        self.activation_timeout = activation_timeout
+        self.activity_window = activity_window
+        self.retry_interval = retry_interval
+        self.max_body = max_body
+        self.request_timeout = request_timeout
+        self.held = 0       # waiting for a replica
+        self.in_flight = 0  # received and not yet answered (held ones included)
+        self._started: collections.deque[float] = collections.deque()  # start times within the window
+        self.client: httpx.AsyncClient | None = None
+        self.registry = CollectorRegistry()
+        self.requests = Counter("embedops_activator_requests", "Requests by outcome: forwarded (answered by a "
+                                "replica, any status), timeout (no replica in time), too_large", ["outcome"],
+                                registry=self.registry)
+        self.held_seconds = Histogram("embedops_activator_held_seconds", "Time a request waited for a ready "
+                                      "replica (held requests only)", registry=self.registry,
+                                      buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600))
+        Gauge("embedops_activator_held", "Requests waiting for a ready replica", registry=self.registry
+              ).set_function(lambda: self.held)
+        Gauge("embedops_activator_in_flight", "Requests received and not yet answered", registry=self.registry
+              ).set_function(lambda: self.in_flight)
+
+    # ------------------------------------------------------------------ demand
+    def _recent(self, now: float) -> int:
+        while self._started and self._started[0] < now - self.activity_window:
+            self._started.popleft()
+        return len(self._started)
+
+    def demand(self) -> dict[str, int]:
+        recent = self._recent(time.monotonic())
+        # in_flight includes held; recent includes the ones in flight that started inside the window
+        return {"demand": max(self.in_flight, recent), "held": self.held, "in_flight": self.in_flight,
+                "recent": recent}
+
+    # ------------------------------------------------------------------ forwarding
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(
+            base_url=self.backend, follow_redirects=False,
+            timeout=httpx.Timeout(self.request_timeout, connect=2.0),
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def forward(self, method: str, target: str, headers: list[tuple[bytes, bytes]],
+                      body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """Send one request on, holding it while no replica answers; (status, headers, body) to return."""
+        assert self.client is not None, "start() first"
+        now = time.monotonic()
+        self._started.append(now)
+        self._recent(now)
+        self.in_flight += 1
+        held_since: float | None = None
+        fwd = [(k, v) for k, v in headers if k.decode("latin-1").lower() not in HOP_BY_HOP]
+        try:
+            while True:
+                try:
+                    request = self.client.build_request(method, target, headers=fwd, content=body)
+                    response = await self.client.send(request, stream=True)
+                    try:  # raw bytes: the body is passed on as the replica encoded it
+                        content = b"".join([chunk async for chunk in response.aiter_raw()])
+                    finally:
+                        await response.aclose()
+                    # a held request that meets a server still loading its model (503 before its readiness
+                    # probe passes, or outside Kubernetes) waits on; a 503 on the first try is passed on at once
+                    if not (held_since is not None and response.status_code == 503
+                            and time.monotonic() - held_since < self.activation_timeout):
+                        break
+                    await asyncio.sleep(self.retry_interval)
+                except NOT_DELIVERED as exc:
+                    if held_since is None:
+                        held_since = time.monotonic()
+                        self.held += 1
+                        log.info("no ready replica behind %s (%s): holding %s %s", self.backend,
+                                 type(exc).__name__, method, target)
+                    waited = time.monotonic() - held_since
+                    if waited >= self.activation_timeout:
+                        self.requests.labels("timeout").inc()
+                        return _error(503, "Unhealthy", f"no replica of this service became ready within "
+                                      f"{self.activation_timeout:.0f} s of the request (scaled to zero and "
+                                      f"waking up, or failing to start); retry later", retry_after=10)
+                    await asyncio.sleep(self.retry_interval)
+        finally:
+            self.in_flight -= 1
+            if held_since is not None:
+                self.held -= 1
+                self.held_seconds.observe(time.monotonic() - held_since)
+        self.requests.labels("forwarded").inc()
+        out = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.multi_items()
+               if k.lower() not in HOP_BY_HOP]
+        return response.status_code, out, content
+
+
+def _error(status: int, kind: str, message: str, retry_after: int | None = None):
+    headers = [(b"content-type", b"application/json")]
+    if retry_after:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    return status, headers, orjson.dumps({"error": message, "error_type": kind})
+
+
+class App:
+    """One ASGI app for both ports: the admin port answers /healthz, /demand and /metrics; every request on the
+    proxy port, whatever its path, is forwarded (so /health and /metrics reach the model's server)."""
+
+    def __init__(self, activator: Activator, admin_port: int):
+        self.activator = activator
+        self.admin_port = admin_port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":  # websockets: nothing here speaks them
+            return
+        server = scope.get("server") or (None, None)
+        if server[1] == self.admin_port:
+            await self._admin(scope, send)
+            return
+        try:
+            body = await self._read_body(receive)
+        except PayloadTooLarge:
+            self.activator.requests.labels("too_large").inc()
+            await _respond(send, *_error(413, "PayloadTooLarge", f"request body over the activator's limit of "
+                                         f"{self.activator.max_body} bytes"))
+            return
+        target = scope.get("raw_path") or scope["path"].encode()
+        if scope.get("query_string"):
+            target += b"?" + scope["query_string"]
+        await _respond(send, *await self.activator.forward(scope["method"], target.decode("latin-1"),
+                                                           scope["headers"], body))
+
+    async def _read_body(self, receive: Receive) -> bytes:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.activator.max_body:
+                raise PayloadTooLarge()
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        return b"".join(chunks)
+
+    async def _admin(self, scope: Scope, send: Send) -> None:
+        path = scope["path"]
+        if path == "/healthz":
+            await _respond(send, 200, [(b"content-type", b"text/plain")], b"ok")
+        elif path == "/demand":
+            await _respond(send, 200, [(b"content-type", b"application/json")], orjson.dumps(self.activator.demand()))
+        elif path == "/metrics":
+            await _respond(send, 200, [(b"content-type", CONTENT_TYPE_LATEST.encode())],
+                           generate_latest(self.activator.registry))
+        else:
+            await _respond(send, *_error(404, "NotFound", f"the activator's admin port serves /healthz, /demand "
+                                         f"and /metrics, not {path}"))
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.activator.start()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.activator.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+async def _respond(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="embedops-activator", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default=env("BACKEND"), required=env("BACKEND") is None,
+                   help="the model pods' Service, e.g. http://minilm-backend.ns.svc.cluster.local")
+    p.add_argument("--hostname", default=env("HOSTNAME_BIND", "0.0.0.0"))
+    p.add_argument("--port", type=int, default=int(env("PORT", "8080")), help="the proxied port")
+    p.add_argument("--admin-port", type=int, default=int(env("ADMIN_PORT", "9091")),
+                   help="/healthz, /demand (KEDA's metrics-api trigger) and /metrics")
+    p.add_argument("--activation-timeout", type=float, default=float(env("ACTIVATION_TIMEOUT", "300")),
+                   help="seconds a request is held for a replica before 503 (cover a model load)")
+    p.add_argument("--activity-window", type=float, default=float(env("ACTIVITY_WINDOW", "10")),
+                   help="seconds a request counts as demand after it started (at least KEDA's polling interval)")
+    p.add_argument("--retry-interval", type=float, default=0.25)
+    p.add_argument("--max-body-bytes", type=int, default=64 << 20)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    activator = Activator(args.backend, activation_timeout=args.activation_timeout,
+                          activity_window=args.activity_window, retry_interval=args.retry_interval,
+                          max_body=args.max_body_bytes)
+    sockets = [listening_socket(args.hostname, args.port), listening_socket(args.hostname, args.admin_port)]
+    config = uvicorn.Config(App(activator, args.admin_port), lifespan="on", access_log=False, log_level="warning",
+                            timeout_graceful_shutdown=30)
+    log.info("forwarding :%d to %s, admin on :%d", args.port, args.backend, args.admin_port)
+    uvicorn.Server(config).run(sockets=sockets)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The activator (server/embedops_server/activator.py), the address of a service that scales to zero, as the
+real CLI in its own process in front of the real server: a request that finds no replica is held and
+answered once one is up; what it forwards comes back byte for byte; no replica in time is a clear 503."""
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from localcluster.models import minilm_onnx_dir
+from tests.server.conftest import free_port, run_server
+
+
+@contextlib.contextmanager
+def activator(backend_port: int, *args: str):
+    port, admin = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "embedops_server.activator", "--hostname", "127.0.0.1",
+                             "--backend", f"http://127.0.0.1:{backend_port}", "--port", str(port),
+                             "--admin-port", str(admin), *args], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{admin}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"activator did not start: {proc.stderr.read()}")
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def demand(admin: str) -> dict:
+    return httpx.get(admin + "/demand", timeout=5).json()
+
+
+def test_a_request_with_no_replica_is_held_then_answered_byte_for_byte():
+    backend = free_port()  # nothing listens there yet: a Service without endpoints refuses the same way
+    body = {"inputs": ["scale from zero", "the first request is answered"]}
+    with activator(backend, "--activity-window", "2") as (url, admin):
+        assert demand(admin) == {"demand": 0, "held": 0, "in_flight": 0, "recent": 0}
+        answer: dict = {}
+
+        def first_request():
+            t0 = time.monotonic()
+            answer["response"] = httpx.post(url + "/embed", json=body, timeout=120)
+            answer["seconds"] = time.monotonic() - t0
+        client = threading.Thread(target=first_request)
+        client.start()
+        deadline = time.time() + 10
+        while demand(admin)["held"] != 1:
+            assert time.time() < deadline, demand(admin)
+            time.sleep(0.05)
+        assert demand(admin)["demand"] >= 1  # what KEDA's metrics-api trigger reads to wake the Deployment
+        time.sleep(1.0)
+        assert client.is_alive()  # still held, not refused
+        with run_server(port=backend, model_id=str(minilm_onnx_dir()), backend="onnxruntime", pooling="mean") as (direct, _):
+            client.join(120)
+            held = answer["response"]
+            expected = httpx.post(direct + "/embed", json=body, timeout=30)
+            assert held.status_code == 200 and held.content == expected.content
+            assert held.headers["content-type"] == expected.headers["content-type"]
+            print(f"held request answered after {answer['seconds']:.1f} s (server start included)")
+
+            # with a replica up, everything passes through as the server answers it, errors included
+            for method, path, payload in [("POST", "/v1/embeddings", {"input": "hi", "model": "x"}),
+                                          ("POST", "/embed", {"inputs": []}),
+                                          ("POST", "/embed", {"wrong": 1}),
+                                          ("GET", "/info", None), ("GET", "/health", None),
+                                          ("GET", "/nope?x=1", None)]:
+                via = httpx.request(method, url + path, json=payload, timeout=30)
+                straight = httpx.request(method, direct + path, json=payload, timeout=30)
+                assert (via.status_code, via.content) == (straight.status_code, straight.content), path
+            metrics = httpx.get(admin + "/metrics", timeout=5).text
+            assert 'embedops_activator_requests_total{outcome="forwarded"} 7.0' in metrics
+            assert "embedops_activator_held_seconds_count 1.0" in metrics
+        time.sleep(2.5)  # the activity window: a finished request stops counting as demand
+        assert demand(admin) == {"demand": 0, "held": 0, "in_flight": 0, "recent": 0}
+
+
+def test_no_replica_in_time_is_a_clear_503_and_bad_input_is_refused():
+    backend = free_port()
+    with activator(backend, "--activation-timeout", "1", "--max-body-bytes", "1000") as (url, admin):
+        t0 = time.monotonic()
+        r = httpx.post(url + "/embed", json={"inputs": "hello"}, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "10"
+        assert r.json()["error_type"] == "Unhealthy" and "within 1 s" in r.json()["error"]
+        assert 1.0 <= time.monotonic() - t0 < 5
+        r = httpx.post(url + "/embed", content=b"x" * 5000, timeout=30)
+        assert r.status_code == 413 and r.json()["error_type"] == "PayloadTooLarge"
+        r = httpx.get(admin + "/anything", timeout=5)
+        assert r.status_code == 404 and "/demand" in r.json()["error"]
+        metrics = httpx.get(admin + "/metrics", timeout=5).text
+        assert 'embedops_activator_requests_total{outcome="timeout"} 1.0' in metrics
+        assert 'embedops_activator_requests_total{outcome="too_large"} 1.0' in metrics
+
+
+def test_the_cli_needs_a_backend():
+    r = subprocess.run([sys.executable, "-m", "embedops_server.activator"], capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
+    assert r.returncode == 2 and "--backend" in r.stderr
