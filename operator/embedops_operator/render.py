@@ -512,14 +512,116 @@ def service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) 
                                 "protocol": "TCP", "appProtocol": "http"}]}}
 
 
-def service_monitor(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
+# ------------------------------------------------------------------------------------ scale from zero
+# With minReplicas 0 the service's own address (Service <name>) is the activator's (embedops_server/activator.py):
+# it holds a request while no replica is ready and reports demand to KEDA, which wakes the Deployment. The model
+# pods sit behind <name>-backend, the Service the ServiceMonitor scrapes.
+ACTIVATOR_PORT = 8080
+ACTIVATOR_ADMIN_PORT = 9091
+ZERO_POLLING_SECONDS = 5  # KEDA's polling interval when a request may be waiting on it
+
+
+def scales_to_zero(spec: EmbeddingServiceSpec, options: Options) -> bool:
+    return bool(spec.autoscaling and spec.autoscaling.min_replicas == 0
+                and autoscaler_kind(spec, options) == "keda" and SCALEDOBJECT in options.capabilities)
+
+
+def backend_name(name: str) -> str:
+    return f"{name}-backend"
+
+
+def activator_name(name: str) -> str:
+    return f"{name}-activator"
+
+
+def activator_selector(name: str) -> dict[str, str]:
+    return {LABEL_NAME: "embedops-activator", LABEL_INSTANCE: name}
+
+
+def activator_labels(name: str) -> dict[str, str]:
+    # not the server's name label: neither the ServiceMonitor, the PDB nor the status' pod count select these
+    return {**common_labels(name, "embed"), **activator_selector(name), LABEL_COMPONENT: "activator"}
+
+
+def backend_service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
+    """The model pods' Service behind the activator: what the activator forwards to and the ServiceMonitor
+    selects (ClusterIP whatever spec.service.type says: only the activator calls it)."""
+    svc = service(name, ns, spec, owner)
+    svc["metadata"]["name"] = backend_name(name)
+    svc["spec"]["type"] = "ClusterIP"
+    return svc
+
+
+def activator_service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
+    """The service's address, answered by the activator: clients, the HTTPRoute and LiteLLM keep the same
+    URL whether replicas run or not. The admin port serves KEDA's /demand."""
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(name, ns, activator_labels(name), owner),
+            "spec": {"type": spec.service.type, "selector": activator_selector(name),
+                     "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http",
+                                "protocol": "TCP", "appProtocol": "http"},
+                               {"name": "admin", "port": ACTIVATOR_ADMIN_PORT, "targetPort": "admin",
+                                "protocol": "TCP", "appProtocol": "http"}]}}
+
+
+def activator_demand_url(name: str, ns: str, options: Options) -> str:
+    return f"http://{name}.{ns}.svc.{options.cluster_domain}:{ACTIVATOR_ADMIN_PORT}/demand"
+
+
+def activator_deployment(name: str, ns: str, spec: EmbeddingServiceSpec, options: Options,
+                         owner: dict | None) -> dict:
+    """One small proxy pod (no accelerator, ~40 MB) from the CPU server image, which carries it. A CPU service
+    keeps its placement (nodeSelector, tolerations); a GPU service's activator runs on any node that takes it."""
+    a = spec.autoscaling
+    assert a is not None
+    cpu = bool(spec.accelerator.cpu)
+    image = spec.image if (spec.image and cpu) else options.cpu_image
+    backend = service_url(backend_name(name), ns, spec, options)
+    probe = {"httpGet": {"path": "/healthz", "port": "admin"}, "periodSeconds": 5, "timeoutSeconds": 2}
+    container: dict[str, Any] = {
+        "name": "activator", "image": image, "command": ["embedops-activator"],
+        "args": ["--backend", backend, "--port", str(ACTIVATOR_PORT), "--admin-port", str(ACTIVATOR_ADMIN_PORT),
+                 "--activation-timeout", str(a.activation_timeout_seconds),
+                 # a request between two of KEDA's polls must still count at the next one
+                 "--activity-window", str(2 * ZERO_POLLING_SECONDS)],
+        "ports": [{"name": "http", "containerPort": ACTIVATOR_PORT, "protocol": "TCP"},
+                  {"name": "admin", "containerPort": ACTIVATOR_ADMIN_PORT, "protocol": "TCP"}],
+        "readinessProbe": probe, "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+        "securityContext": _container_security(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False, "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+    }
+    if cpu and spec.node_selector:
+        pod_spec["nodeSelector"] = dict(sorted(spec.node_selector.items()))
+    if cpu and spec.tolerations:
+        pod_spec["tolerations"] = list(spec.tolerations)
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": _meta(activator_name(name), ns, activator_labels(name), owner),
+            "spec": {"replicas": 1, "revisionHistoryLimit": 3, "selector": {"matchLabels": activator_selector(name)},
+                     "template": {"metadata": {"labels": activator_labels(name)}, "spec": pod_spec}}}
+
+
+def service_monitor(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, to_zero: bool = False) -> dict:
     sm = spec.monitoring.service_monitor
     labels = {**common_labels(name, detect_task(spec.model)), **sm.labels}
+    endpoint: dict[str, Any] = {"port": "http", "path": "/metrics", "interval": sm.interval}
+    if to_zero:  # it scrapes <name>-backend; the series keep service="<name>", what queries and alerts filter on
+        endpoint["relabelings"] = [{"action": "replace", "targetLabel": "service", "replacement": name}]
     return {"apiVersion": SERVICEMONITOR[0], "kind": SERVICEMONITOR[1],
             "metadata": _meta(name, ns, labels, owner),
             "spec": {"selector": {"matchLabels": selector_labels(name)},
                      "namespaceSelector": {"matchNames": [ns]},
-                     "endpoints": [{"port": "http", "path": "/metrics", "interval": sm.interval}]}}
+                     "endpoints": [endpoint]}}
 
 
 def http_route(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
@@ -551,23 +653,34 @@ def http_route(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | Non
             "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner), "spec": route_spec}
 
 
-def scaled_object(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
+def scaled_object(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None,
+                  options: Options | None = None) -> dict:
     a = spec.autoscaling
     assert a is not None
+    options = options or Options()
+    to_zero = scales_to_zero(spec, options)
     query = f'sum(te_queue_size{{namespace="{ns}",service="{name}"}})'
+    triggers: list[dict] = [{"type": "prometheus", "metadata": {
+        "serverAddress": a.prometheus_address, "query": query,
+        "threshold": str(a.target_queue_depth), "ignoreNullValues": "true"}}]
+    if to_zero:
+        # the signal that exists while no pod does: the activator's held, in-flight and recent requests.
+        # Activation only (any demand wakes 0 -> 1); above one replica the queue trigger decides, so this
+        # trigger's per-replica target is out of reach.
+        triggers.append({"type": "metrics-api", "metadata": {
+            "url": activator_demand_url(name, ns, options), "valueLocation": "demand", "format": "json",
+            "targetValue": "1000000", "activationTargetValue": "0"}})
     return {"apiVersion": SCALEDOBJECT[0], "kind": SCALEDOBJECT[1],
             "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner),
             "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
                      "minReplicaCount": a.min_replicas, "maxReplicaCount": a.max_replicas,
-                     "pollingInterval": 15, "cooldownPeriod": a.cooldown_seconds,
+                     "pollingInterval": ZERO_POLLING_SECONDS if to_zero else 15, "cooldownPeriod": a.cooldown_seconds,
                      # KEDA's cooldownPeriod only delays the last step to zero; scaling down from N to the
                      # minimum is its HPA's, with Kubernetes' default 300 s window unless this sets it
                      "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {"scaleDown": {
                          "stabilizationWindowSeconds": a.cooldown_seconds}}}},
                      "fallback": {"failureThreshold": 3, "replicas": max(a.min_replicas, 1)},
-                     "triggers": [{"type": "prometheus", "metadata": {
-                         "serverAddress": a.prometheus_address, "query": query,
-                         "threshold": str(a.target_queue_depth), "ignoreNullValues": "true"}}]}}
+                     "triggers": triggers}}
 
 
 def hpa(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
@@ -651,17 +764,23 @@ def render(resource: dict, options: Options | None = None) -> list[dict]:
     ns = es.metadata.get("namespace") or "default"
     spec = es.spec
     owner = owner_reference(resource)
-    out: list[dict] = [deployment(name, ns, spec, options, owner), service(name, ns, spec, owner)]
+    to_zero = scales_to_zero(spec, options)
+    out: list[dict] = [deployment(name, ns, spec, options, owner)]
+    if to_zero:  # the activator first, so its pod is starting when the Service's selector moves to it
+        out += [activator_deployment(name, ns, spec, options, owner), backend_service(name, ns, spec, owner),
+                activator_service(name, ns, spec, owner)]
+    else:
+        out.append(service(name, ns, spec, owner))
     budget = pdb(name, ns, spec, owner)
     if budget:
         out.append(budget)
     if spec.monitoring.service_monitor.enabled and SERVICEMONITOR in options.capabilities:
-        out.append(service_monitor(name, ns, spec, owner))
+        out.append(service_monitor(name, ns, spec, owner, to_zero=to_zero))
     if spec.gateway and HTTPROUTE in options.capabilities:
         out.append(http_route(name, ns, spec, owner))
     scaler = autoscaler_kind(spec, options)
     if scaler == "keda" and SCALEDOBJECT in options.capabilities:
-        out.append(scaled_object(name, ns, spec, owner))
+        out.append(scaled_object(name, ns, spec, owner, options))
     elif scaler == "hpa":
         out.append(hpa(name, ns, spec, owner))
     if spec.litellm:

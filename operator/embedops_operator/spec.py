@@ -271,6 +271,9 @@ class Autoscaling(Model):
         "auto", description="auto: KEDA ScaledObject when KEDA is installed, else an HPA.")
     prometheus_address: str = Field("http://prometheus-operated.monitoring.svc:9090",
                                     description="Prometheus queried by KEDA.")
+    activation_timeout_seconds: int = Field(
+        300, ge=1, le=3600, description="minReplicas 0: how long the activator holds a request while the "
+        "service wakes from zero (cover image pull and model load) before answering 503.")
 
 
 IntOrPercent = Annotated[int | str, WithJsonSchema(

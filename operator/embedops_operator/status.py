@@ -30,6 +30,8 @@ class Observed:
     apply_error: str | None = None
     refused: tuple[str, str] | None = None  # (reason, message): the spec cannot fit its memory (memory.refusal)
     route: dict | None = None  # the live HTTPRoute (its status.parents is what the gateways say of it)
+    # minReplicas 0: the activator's Deployment, which answers the service's address (False: not expected)
+    activator: dict | None | bool = False
 
 
 def _parse_time(value: str | None) -> dt.datetime | None:
@@ -192,6 +194,9 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
         and updated >= desired and ready >= desired and available >= desired
         and replicas == desired  # old pods gone
     )
+    activator_ready = observed.activator is False or (
+        isinstance(observed.activator, dict)
+        and ((observed.activator.get("status") or {}).get("availableReplicas") or 0) >= 1)
     if stalled:
         cond("Ready", "False", stalled[0], stalled[1])
         cond("Reconciling", "False", stalled[0], "")
@@ -200,6 +205,11 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
         cond("Ready", "False", "ApplyFailed", observed.apply_error)
         cond("Reconciling", "True", "ApplyFailed", observed.apply_error)
         cond("Stalled", "False", "ApplyFailed", "")
+    elif rolled_out and not activator_ready:  # the service's address has nothing behind it yet
+        msg = f"{ready}/{desired} replicas ready; the activator that answers the service's address is not available"
+        cond("Ready", "False", "WaitingForActivator", msg)
+        cond("Reconciling", "True", "WaitingForActivator", msg)
+        cond("Stalled", "False", "WaitingForActivator", "")
     elif rolled_out:
         reason = "ScaledToZero" if desired == 0 else "Available"
         cond("Ready", "True", reason, f"{ready}/{desired} replicas ready")

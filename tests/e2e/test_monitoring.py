@@ -356,3 +356,84 @@ def _get_embsvc(svc, ns: str) -> list[dict[str, str]]:
     table = json.loads(r.data)
     names = [c["name"] for c in table["columnDefinitions"]]
     return [dict(zip(names, (str(c) for c in row["cells"]))) for row in table["rows"]]
+
+
+# $CONCURRENCY requests at once to $URL, each timed; prints one JSON list (status, seconds, vector length).
+WAKE_CLIENT = r"""
+import json, os, threading, time, urllib.request
+url, k = os.environ["URL"], int(os.environ["CONCURRENCY"])
+out = [None] * k
+def call(j):
+    t = time.monotonic()
+    body = json.dumps({"inputs": [f"wake up request {j}"]}).encode()
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out[j] = {"status": r.status, "seconds": round(time.monotonic() - t, 2), "dims": len(json.loads(r.read())[0])}
+    except Exception as e:
+        out[j] = {"status": getattr(e, "code", None), "seconds": round(time.monotonic() - t, 2),
+                  "error": f"{type(e).__name__}: {e}"[:300]}
+threads = [threading.Thread(target=call, args=(j,)) for j in range(k)]
+[t.start() for t in threads]; [t.join() for t in threads]
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_scale_from_zero_answers_the_first_request(kube, real, ns, svc, stack, monitored):
+    """minReplicas 0 on the real KEDA: the operator puts the activator at the service's address; at rest KEDA
+    takes the Deployment to zero pods; requests sent then are held by the activator, KEDA wakes the Deployment
+    on the activator's demand, and every request is answered (failures counted: 0); Prometheus scrapes the
+    woken pod through <name>-backend with the series still labelled service=<name>; back at zero after the
+    cooldown."""
+    monitoring.keda_up(kube)
+    svc.co.patch_namespaced_custom_object("embedops.dev", "v1alpha1", ns, "embeddingservices", NAME, {
+        "spec": {"autoscaling": {"minReplicas": 0, "maxReplicas": 2, "targetQueueDepth": 4, "cooldownSeconds": 15,
+                                 "activationTimeoutSeconds": 240}}})
+
+    def activator_serves():
+        d = svc.apps.read_namespaced_deployment(f"{NAME}-activator", ns)
+        selector = svc.core.read_namespaced_service(NAME, ns).spec.selector
+        return (d.status.ready_replicas or 0) >= 1 and selector.get("app.kubernetes.io/name") == "embedops-activator"
+    wait_for(activator_serves, timeout=180, what="the activator Ready behind the service's address")
+
+    t0 = time.monotonic()
+    wait_for(lambda: svc.deployment(NAME).spec.replicas == 0 and not svc.pods(NAME), timeout=240,
+             what="KEDA scales the idle service to zero pods")
+    to_zero = time.monotonic() - t0
+    row = next(r for r in _get_embsvc(svc, ns) if r["Name"] == NAME)
+    print(f"at rest: zero pods {to_zero:.0f} s after minReplicas 0 (cooldown 15 s); kubectl get embsvc: {row}")
+    conds = {c["type"]: c for c in svc.get(NAME)["status"]["conditions"]}
+    assert conds["Ready"]["status"] == "True" and conds["Ready"].get("reason") == "ScaledToZero", conds["Ready"]
+
+    replicas = ReplicasWatch(svc.apps, ns, NAME)
+    pod = client_pod("wake", real.server_image, WAKE_CLIENT, real.node_selector,
+                     {"URL": service_url(NAME, ns) + "/embed", "CONCURRENCY": 4})
+    svc.core.create_namespaced_pod(ns, pod)
+    try:
+        wait_pod_phase(svc.core, ns, "wake", ("Succeeded",), timeout=420)
+        lines = [x for x in svc.core.read_namespaced_pod_log("wake", ns).splitlines() if x.startswith("[")]
+        answers = json.loads(lines[-1])
+    finally:
+        svc.core.delete_namespaced_pod("wake", ns, grace_period_seconds=0)
+    print(f"cold start through the activator: {answers}")
+    assert [a["status"] for a in answers] == [200] * 4, answers
+    assert all(a["dims"] == 384 for a in answers)
+
+    # the woken pod is scraped through <name>-backend, its series keep service=<name> (what KEDA's query and
+    # the alerts filter on); a light load keeps it awake while Prometheus picks the changed ServiceMonitor up
+    woken = svc.pods(NAME)[0].metadata.name
+    texts = ["keeping the woken replica busy while Prometheus scrapes it"]
+    with _load(kube, real, svc, ns, "load-zero", 2, 240, texts) as summary:
+        t1 = time.monotonic()
+        series = _series(stack, f'te_queue_size{{namespace="{ns}",service="{NAME}",pod="{woken}"}}', timeout=220)
+        scraped_after = time.monotonic() - t1
+    assert not stack.query(f'te_queue_size{{namespace="{ns}",service="{NAME}-backend"}}')
+    print(f"woken pod {woken} scraped as {series[0]['metric']} {scraped_after:.0f} s into the load; load: {summary}")
+    assert summary["failed"] == 0
+
+    t2 = time.monotonic()
+    wait_for(lambda: svc.deployment(NAME).spec.replicas == 0, timeout=240, what="back to zero after the cooldown")
+    back_after = time.monotonic() - t2
+    replicas.stop()
+    print(f"back at zero {back_after:.0f} s after the load stopped; spec.replicas took {replicas.steps()}")
+    assert replicas.steps()[0] == 0 and replicas.steps()[-1] == 0 and max(replicas.steps()) >= 1

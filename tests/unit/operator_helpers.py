@@ -33,7 +33,12 @@ GPU = {"model": {"id": "BAAI/bge-large-en-v1.5"}, "accelerator": {"gpu": {"count
 
 
 def by_kind(manifests: list[dict]) -> dict[str, dict]:
-    return {m["kind"]: m for m in manifests}
+    """The first manifest of each kind (a service scaled to zero also renders its activator's Deployment and
+    Service after its own)."""
+    out: dict[str, dict] = {}
+    for m in manifests:
+        out.setdefault(m["kind"], m)
+    return out
 
 
 def container(manifests: list[dict]) -> dict:

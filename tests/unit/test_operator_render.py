@@ -284,6 +284,76 @@ def test_autoscaling_keda_leaves_replicas_to_the_autoscaler():
         "stabilizationWindowSeconds": 300}
 
 
+def test_scale_to_zero_puts_the_activator_at_the_services_address():
+    spec = copy.deepcopy(CPU)
+    spec.pop("replicas", None)
+    spec["nodeSelector"] = {"pool": "cpu"}
+    spec["autoscaling"] = {"minReplicas": 0, "maxReplicas": 3, "cooldownSeconds": 60, "activationTimeoutSeconds": 120}
+    spec["monitoring"] = {"serviceMonitor": {"labels": {"release": "kps"}}}
+    spec["gateway"] = {"parentRefs": [{"name": "gw"}]}
+    spec["litellm"] = {"configMapName": "litellm"}
+    out = render(spec, name="emb", namespace="ml")
+    named = {(m["kind"], m["metadata"]["name"]): m for m in out}
+    front, backend = named[("Service", "emb")], named[("Service", "emb-backend")]
+    model, act = named[("Deployment", "emb")], named[("Deployment", "emb-activator")]
+    # the address clients, the HTTPRoute and LiteLLM use is answered by the activator's pod
+    assert front["spec"]["selector"] == act["spec"]["selector"]["matchLabels"]
+    assert act["spec"]["template"]["metadata"]["labels"] | front["spec"]["selector"] == \
+        act["spec"]["template"]["metadata"]["labels"]
+    assert front["spec"]["selector"] == {"app.kubernetes.io/name": "embedops-activator",
+                                         "app.kubernetes.io/instance": "emb"}
+    assert [p["name"] for p in front["spec"]["ports"]] == ["http", "admin"]
+    assert backend["spec"]["selector"] == model["spec"]["selector"]["matchLabels"] == R.selector_labels("emb")
+    route = named[("HTTPRoute", "emb")]
+    assert {b["name"] for r in route["spec"]["rules"] for b in r["backendRefs"]} == {"emb"}
+    assert "http://emb.ml.svc.cluster.local/v1" in named[("ConfigMap", "litellm")]["data"]["embedops-emb.yaml"]
+    # the ServiceMonitor selects the model pods' Service only, and keeps service="emb" on the series
+    sm = named[("ServiceMonitor", "emb")]
+    sel = sm["spec"]["selector"]["matchLabels"]
+    assert all(backend["metadata"]["labels"].get(k) == v for k, v in sel.items())
+    assert not all(front["metadata"]["labels"].get(k) == v for k, v in sel.items())
+    assert sm["spec"]["endpoints"][0]["relabelings"] == [
+        {"action": "replace", "targetLabel": "service", "replacement": "emb"}]
+    # the activator: the server image's second program, pointed at the backend, the spec's placement
+    c = act["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["embedops-activator"] and c["image"] == R.Options().cpu_image
+    assert arg(c, "--backend") == "http://emb-backend.ml.svc.cluster.local"
+    assert arg(c, "--activation-timeout") == "120"
+    assert act["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
+    assert "resources" in c and "limits" in c["resources"]
+    # KEDA wakes the Deployment on the activator's demand; the queue still scales above one replica
+    so = named[("ScaledObject", "emb")]
+    assert so["spec"]["minReplicaCount"] == 0 and so["spec"]["pollingInterval"] == R.ZERO_POLLING_SECONDS
+    kinds = [t["type"] for t in so["spec"]["triggers"]]
+    assert kinds == ["prometheus", "metrics-api"]
+    demand = so["spec"]["triggers"][1]["metadata"]
+    assert demand["url"] == "http://emb.ml.svc.cluster.local:9091/demand" and demand["valueLocation"] == "demand"
+    assert demand["activationTargetValue"] == "0"
+    assert arg(c, "--activity-window") == str(2 * so["spec"]["pollingInterval"])
+    assert all(m["metadata"]["namespace"] == "ml" for m in out)
+
+
+def test_scale_to_zero_only_where_keda_wakes_it():
+    spec = copy.deepcopy(CPU)
+    spec.pop("replicas", None)
+    spec["autoscaling"] = {"minReplicas": 1, "maxReplicas": 3}
+    names = [(m["kind"], m["metadata"]["name"]) for m in render(spec, name="emb")]
+    assert ("Deployment", "emb-activator") not in names and ("Service", "emb") in names
+    so = by_kind(render(spec, name="emb"))["ScaledObject"]
+    assert [t["type"] for t in so["spec"]["triggers"]] == ["prometheus"] and so["spec"]["pollingInterval"] == 15
+    spec["autoscaling"]["minReplicas"] = 0  # without KEDA's CRD: no activator, the status says KEDA is missing
+    names = [(m["kind"], m["metadata"]["name"]) for m in render(spec, NO_OPTIONAL, name="emb")]
+    assert ("Deployment", "emb-activator") not in names and ("Service", "emb-backend") not in names
+    # a GPU service's activator takes no accelerator, no GPU placement and the CPU image
+    gpu = copy.deepcopy(MIG)
+    gpu["autoscaling"] = {"minReplicas": 0, "maxReplicas": 2}
+    act = {(m["kind"], m["metadata"]["name"]): m for m in render(gpu, name="bge")}[("Deployment", "bge-activator")]
+    pod = act["spec"]["template"]["spec"]
+    assert "nodeSelector" not in pod and "tolerations" not in pod
+    assert pod["containers"][0]["image"] == R.Options().cpu_image
+    assert "nvidia.com" not in str(pod["containers"][0]["resources"])
+
+
 def test_autoscaling_falls_back_to_hpa_without_keda():
     spec = copy.deepcopy(MIG)
     spec["autoscaling"] = {"minReplicas": 2, "maxReplicas": 5}

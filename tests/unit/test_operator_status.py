@@ -85,6 +85,20 @@ def test_scaled_to_zero_is_ready():
     assert conds(s)["Ready"] == ("True", "ScaledToZero")
 
 
+def test_scaled_to_zero_behind_the_activator_is_ready_only_once_the_activator_is():
+    spec = copy.deepcopy(CPU)
+    spec.pop("replicas", None)
+    spec["autoscaling"] = {"minReplicas": 0, "maxReplicas": 2}
+    at_zero = deployment(replicas=0, ready=0, updated=0)
+    for activator in (None, deployment(replicas=1, ready=0, updated=1)):  # not created yet / not available
+        s = compute(spec, ST.Observed(deployment=at_zero, activator=activator))
+        assert conds(s)["Ready"] == ("False", "WaitingForActivator")
+        assert conds(s)["Reconciling"] == ("True", "WaitingForActivator")
+    s = compute(spec, ST.Observed(deployment=at_zero, activator=deployment(replicas=1, ready=1, updated=1)))
+    assert conds(s)["Ready"] == ("True", "ScaledToZero") and s["replicasSummary"] == "0/0"
+    assert s["url"] == "http://svc.ml.svc.cluster.local"  # the same address, answered by the activator
+
+
 def test_autoscaled_desired_comes_from_the_deployment():
     spec = copy.deepcopy(MIG)
     spec["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4}
