@@ -611,12 +611,15 @@ def activator_deployment(name: str, ns: str, spec: EmbeddingServiceSpec, options
                      "template": {"metadata": {"labels": activator_labels(name)}, "spec": pod_spec}}}
 
 
-def service_monitor(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, to_zero: bool = False) -> dict:
+def service_monitor(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
     sm = spec.monitoring.service_monitor
     labels = {**common_labels(name, detect_task(spec.model)), **sm.labels}
-    endpoint: dict[str, Any] = {"port": "http", "path": "/metrics", "interval": sm.interval}
-    if to_zero:  # it scrapes <name>-backend; the series keep service="<name>", what queries and alerts filter on
-        endpoint["relabelings"] = [{"action": "replace", "targetLabel": "service", "replacement": name}]
+    # service="<name>" on every series, what the ScaledObject's query, the dashboard and the alerts filter on.
+    # Scaled to zero it scrapes <name>-backend; set always, so that switching to minReplicas 0 leaves the
+    # ServiceMonitor (and Prometheus' config) as it is: seen live, a Prometheus that had not yet reloaded a
+    # changed ServiceMonitor scraped the woken pod as service="<name>-backend" for minutes.
+    endpoint: dict[str, Any] = {"port": "http", "path": "/metrics", "interval": sm.interval,
+                                "relabelings": [{"action": "replace", "targetLabel": "service", "replacement": name}]}
     return {"apiVersion": SERVICEMONITOR[0], "kind": SERVICEMONITOR[1],
             "metadata": _meta(name, ns, labels, owner),
             "spec": {"selector": {"matchLabels": selector_labels(name)},
@@ -775,7 +778,7 @@ def render(resource: dict, options: Options | None = None) -> list[dict]:
     if budget:
         out.append(budget)
     if spec.monitoring.service_monitor.enabled and SERVICEMONITOR in options.capabilities:
-        out.append(service_monitor(name, ns, spec, owner, to_zero=to_zero))
+        out.append(service_monitor(name, ns, spec, owner))
     if spec.gateway and HTTPROUTE in options.capabilities:
         out.append(http_route(name, ns, spec, owner))
     scaler = autoscaler_kind(spec, options)

@@ -223,7 +223,8 @@ def test_service_monitor_options():
     spec["monitoring"] = {"serviceMonitor": {"interval": "15s", "labels": {"release": "kps"}}}
     sm = by_kind(render(spec))["ServiceMonitor"]
     assert sm["metadata"]["labels"]["release"] == "kps"
-    assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s", "relabelings": [
+        {"action": "replace", "targetLabel": "service", "replacement": "svc"}]}]
     assert sm["spec"]["namespaceSelector"] == {"matchNames": ["ml"]}
     spec["monitoring"]["serviceMonitor"]["enabled"] = False
     assert "ServiceMonitor" not in by_kind(render(spec))
@@ -314,6 +315,9 @@ def test_scale_to_zero_puts_the_activator_at_the_services_address():
     assert not all(front["metadata"]["labels"].get(k) == v for k, v in sel.items())
     assert sm["spec"]["endpoints"][0]["relabelings"] == [
         {"action": "replace", "targetLabel": "service", "replacement": "emb"}]
+    # the same ServiceMonitor with or without the activator: switching to zero leaves Prometheus' config alone
+    spec["autoscaling"]["minReplicas"] = 1
+    assert by_kind(render(spec, name="emb", namespace="ml"))["ServiceMonitor"] == sm
     # the activator: the server image's second program, pointed at the backend, the spec's placement
     c = act["spec"]["template"]["spec"]["containers"][0]
     assert c["command"] == ["embedops-activator"] and c["image"] == R.Options().cpu_image
