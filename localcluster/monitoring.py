@@ -21,10 +21,15 @@ What a platform team installs with kube-prometheus-stack, made here from Go modu
   APIService's CA bundle itself (``--enable-cert-rotation``). The API server reaches the adapter through the
   aggregation layer (front-proxy flags in controlplane.py). The admission webhooks are left out.
 
+* prometheus-adapter v0.12.0 (the HPA fallback without KEDA), a pod on the real node serving
+  ``custom.metrics.k8s.io`` from this Prometheus with one rule, ``te_queue_size`` per pod
+  (``ADAPTER_RULES``: what a platform team adds to its own adapter).
+
 API::
 
     stack = monitoring.up(kube, cluster)   # idempotent; waits until Prometheus is ready
     monitoring.keda_up(kube)               # idempotent; waits until external metrics are served
+    monitoring.adapter_up(kube)            # idempotent; prometheus-adapter serving custom metrics
     stack.url                              # http://<pod IP>:9090, reachable from this machine (the bridge)
     stack.query('up{namespace="x"}')       # the result list of /api/v1/query
     monitoring.SELECTOR                    # the labels a ServiceMonitor needs to be selected
@@ -243,3 +248,119 @@ def keda_up(kube, timeout: float = 300) -> None:
                                    f"deployments: {deps}")
             time.sleep(1)
     _log(f"KEDA {op.ref.rsplit(':', 1)[0]} serving external metrics in {time.monotonic() - t:.0f}s")
+
+
+# ------------------------------------------------------------------------------------- prometheus-adapter
+ADAPTER = "prometheus-adapter"
+# The rule a platform team adds to prometheus-adapter (its Helm chart's `rules.custom`) for the operator's HPA
+# fallback: te_queue_size per pod, as the custom metrics API's pods metric the HPA asks for.
+ADAPTER_RULES = {"rules": [{
+    "seriesQuery": 'te_queue_size{namespace!="",pod!=""}',
+    "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
+    "name": {"matches": "^te_queue_size$", "as": "te_queue_size"},
+    "metricsQuery": "sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)",
+}]}
+
+
+def adapter_manifests(image: str, node_selector: dict, prometheus_url: str) -> list[dict]:
+    """prometheus-adapter as its own deploy/manifests install it, for custom metrics only: ServiceAccount,
+    RBAC (read pods and namespaces, delegated authentication, the API server's authentication ConfigMap, and
+    the HPA controller's access to custom.metrics.k8s.io), the rule's ConfigMap, one Deployment on the real
+    node with a self-signed serving certificate, its Service and the APIService."""
+    labels = {"app.kubernetes.io/name": ADAPTER}
+    meta = lambda name, ns=NAMESPACE: {"name": name, "namespace": ns, "labels": labels}  # noqa: E731
+    cluster_meta = lambda name: {"name": name, "labels": labels}  # noqa: E731
+    sa = {"kind": "ServiceAccount", "name": ADAPTER, "namespace": NAMESPACE}
+    probe = {"httpGet": {"path": "/readyz", "port": "https", "scheme": "HTTPS"}, "periodSeconds": 2,
+             "failureThreshold": 5}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(ADAPTER)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": cluster_meta(ADAPTER),
+         "rules": [{"apiGroups": [""], "resources": ["nodes", "namespaces", "pods", "services"],
+                    "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": cluster_meta(ADAPTER),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": ADAPTER},
+         "subjects": [sa]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": cluster_meta(f"{ADAPTER}:system:auth-delegator"),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "system:auth-delegator"},
+         "subjects": [sa]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": meta(f"{ADAPTER}-auth-reader", "kube-system"),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                     "name": "extension-apiserver-authentication-reader"}, "subjects": [sa]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": cluster_meta("custom-metrics-server-resources"),
+         "rules": [{"apiGroups": ["custom.metrics.k8s.io"], "resources": ["*"], "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": cluster_meta("hpa-controller-custom-metrics"),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                     "name": "custom-metrics-server-resources"},
+         "subjects": [{"kind": "ServiceAccount", "name": "horizontal-pod-autoscaler", "namespace": "kube-system"}]},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta(f"{ADAPTER}-config"),
+         "data": {"config.yaml": json.dumps(ADAPTER_RULES, indent=1)}},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(ADAPTER),
+         "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                  "template": {"metadata": {"labels": labels}, "spec": {
+                      "serviceAccountName": ADAPTER, "nodeSelector": node_selector,
+                      "tolerations": REAL_NODE_TOLERATIONS,
+                      "securityContext": {"runAsNonRoot": True, "runAsUser": 65534,
+                                          "seccompProfile": {"type": "RuntimeDefault"}},
+                      "containers": [{
+                          "name": ADAPTER, "image": image, "imagePullPolicy": "IfNotPresent",
+                          "command": ["/bin/prometheus-adapter"],
+                          "args": ["--cert-dir=/var/run/serving-cert", "--config=/etc/adapter/config.yaml",
+                                   # how soon a new series (a new pod's) becomes a metric; the chart's default is 1m
+                                   "--metrics-relist-interval=10s", f"--prometheus-url={prometheus_url}",
+                                   "--secure-port=6443"],
+                          "ports": [{"name": "https", "containerPort": 6443}],
+                          "readinessProbe": probe,
+                          "livenessProbe": {**probe, "httpGet": {**probe["httpGet"], "path": "/livez"},
+                                            "initialDelaySeconds": 30, "periodSeconds": 10},
+                          "resources": {"requests": {"cpu": "20m", "memory": "64Mi"}, "limits": {"memory": "512Mi"}},
+                          "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                              "capabilities": {"drop": ["ALL"]}},
+                          "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"},
+                                           {"name": "serving-cert", "mountPath": "/var/run/serving-cert"},
+                                           {"name": "config", "mountPath": "/etc/adapter"}]}],
+                      "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "serving-cert", "emptyDir": {}},
+                                  {"name": "config", "configMap": {"name": f"{ADAPTER}-config"}}]}}}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": meta(ADAPTER),
+         "spec": {"selector": labels, "ports": [{"name": "https", "port": 443, "targetPort": 6443}]}},
+        {"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService", "metadata": cluster_meta(
+            "v1beta1.custom.metrics.k8s.io"),
+         "spec": {"group": "custom.metrics.k8s.io", "version": "v1beta1", "insecureSkipTLSVerify": True,
+                  "groupPriorityMinimum": 100, "versionPriority": 100,
+                  "service": {"name": ADAPTER, "namespace": NAMESPACE}}},
+    ]
+
+
+def adapter_up(kube, timeout: float = 300) -> None:
+    """Build what is missing, run prometheus-adapter on the real node against this Prometheus, and wait until
+    the API server serves the pods metric te_queue_size through it (once a pod reports the series)."""
+    from kubernetes import client
+
+    from . import images
+    from .build import Builder
+
+    if not kube.real_node:
+        raise RuntimeError(f"prometheus-adapter needs the real node: {kube.real_node_reason}")
+    t = time.monotonic()
+    Builder().build_all(expand(["prometheus-adapter"]))
+    image = images.build_binary_image(ADAPTER, [provided("prometheus-adapter", "prometheus-adapter")])
+    kube.import_images([image])
+    kube.apply(adapter_manifests(image.ref, {"kubernetes.io/hostname": kube.real_node},
+                                 f"http://prometheus-operated.{NAMESPACE}.svc:9090/"))
+    deadline = time.monotonic() + timeout
+    with kube.api_client() as api:
+        reg = client.ApiregistrationV1Api(api)
+        while True:
+            svc = reg.read_api_service("v1beta1.custom.metrics.k8s.io")
+            conds = {c.type: (c.status, c.message) for c in (svc.status.conditions or [])}
+            if conds.get("Available", ("",))[0] == "True":
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"prometheus-adapter's custom metrics API not available after {timeout:.0f}s: "
+                                   f"{conds}")
+            time.sleep(1)
+    _log(f"prometheus-adapter {image.ref.rsplit(':', 1)[0]} serving custom metrics in {time.monotonic() - t:.0f}s")

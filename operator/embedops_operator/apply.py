@@ -419,7 +419,7 @@ def owns_replicas(live: dict, manager: str) -> bool:
     return False
 
 
-def hand_over_replicas(kube: Kube, desired: dict, live: dict | None) -> bool:
+def hand_over_replicas(kube: Kube, desired: dict, live: dict | None, floor: int | None = None) -> bool:
     """Hand a Deployment's ``replicas`` to its autoscaler without the dip to 1.
 
     When autoscaling is turned on, the rendered Deployment stops carrying ``replicas``. Had the operator's
@@ -429,11 +429,22 @@ def hand_over_replicas(kube: Kube, desired: dict, live: dict | None) -> bool:
     value under a temporary manager, then drop the field. The temporary manager keeps the value until the
     autoscaler first writes a different one, which takes the field from it; a conflict means the autoscaler
     already owns it, and nothing is needed. True when the hand-over was written.
+
+    ``floor``: the HPA's minReplicas when an HPA is what scales the Deployment. An HPA never scales a target at
+    zero replicas (its ScalingActive condition says "ScalingDisabled"), so a Deployment left at zero (by KEDA
+    when the service scaled to zero, or by ``replicas: 0``) is raised to the floor under the same temporary
+    manager, forced: whoever set the zero (KEDA) no longer scales it.
     """
-    if (desired["kind"] != "Deployment" or live is None or "replicas" in desired.get("spec", {})
-            or not owns_replicas(live, render.MANAGER)):
+    if desired["kind"] != "Deployment" or live is None or "replicas" in desired.get("spec", {}):
         return False
     meta = desired["metadata"]
+    if floor and ((live.get("spec") or {}).get("replicas", 1) or 0) == 0:
+        kube.apply({"apiVersion": desired["apiVersion"], "kind": desired["kind"],
+                    "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+                    "spec": {"replicas": floor}}, manager=HANDOVER_MANAGER, force=True)
+        return True
+    if not owns_replicas(live, render.MANAGER):
+        return False
     patch = {"apiVersion": desired["apiVersion"], "kind": desired["kind"],
              "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
              "spec": {"replicas": (live.get("spec") or {}).get("replicas", 1)}}
@@ -449,13 +460,16 @@ def hand_over_replicas(kube: Kube, desired: dict, live: dict | None) -> bool:
 def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> list[str]:
     """Apply each manifest that differs from the cluster; returns 'Kind/name' of those written."""
     written = []
+    manifests = list(manifests)
+    hpa_floor = next((m["spec"].get("minReplicas", 1) for m in manifests if m["kind"] == "HorizontalPodAutoscaler"),
+                     None)
     for obj in manifests:
         # The shared LiteLLM ConfigMap gets one field manager per service, so services never remove
         # each other's keys.
         manager = litellm.manager(service_name) if obj["kind"] == "ConfigMap" else render.MANAGER
         meta = obj["metadata"]
         live = kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        if hand_over_replicas(kube, obj, live):
+        if hand_over_replicas(kube, obj, live, floor=hpa_floor if meta["name"] == service_name else None):
             written.append(f"{obj['kind']}/{meta['name']} (replicas handed to the autoscaler)")
         wrote = live is None or needs_write(kube, obj, manager=manager, live=live)
         if wrote:

@@ -444,3 +444,55 @@ def test_scale_from_zero_answers_the_first_request(kube, real, ns, svc, stack, m
     replicas.stop()
     print(f"back at zero {back_after:.0f} s after the load stopped; spec.replicas took {replicas.steps()}")
     assert replicas.steps()[0] == 0 and replicas.steps()[-1] == 0 and max(replicas.steps()) >= 1
+
+
+def test_without_keda_the_hpa_scales_through_prometheus_adapter(kube, real, ns, svc, stack, monitored):
+    """The HPA fallback (`provider: hpa`, what `auto` renders without KEDA's CRD) on the real HPA controller:
+    prometheus-adapter serves te_queue_size as the custom metrics API's pods metric, and the HPA scales the
+    service 1 -> 2 under load and back to 1 after its scale-down window. A Deployment KEDA left at zero (the
+    test before this one) is raised to the HPA's minimum by the operator first: an HPA never scales a target
+    at zero."""
+    from kubernetes import client
+
+    monitoring.adapter_up(kube)
+    svc.co.patch_namespaced_custom_object("embedops.dev", "v1alpha1", ns, "embeddingservices", NAME, {
+        "spec": {"autoscaling": {"provider": "hpa", "minReplicas": 1, "maxReplicas": 2, "targetQueueDepth": 4,
+                                 "cooldownSeconds": 20}}})
+    hpas = client.AutoscalingV2Api(svc.apps.api_client)
+
+    def hpa_active():
+        try:
+            h = hpas.read_namespaced_horizontal_pod_autoscaler(NAME, ns)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        conds = {c.type: (c.status, c.reason) for c in h.status.conditions or []}
+        return h if conds.get("ScalingActive", ("",))[0] == "True" else None
+    wait_for(lambda: svc.deployment(NAME).spec.replicas >= 1 and svc.get(NAME)["status"].get("replicasSummary") == "1/1",
+             timeout=240, what="the service at one ready replica under the HPA")
+    h = wait_for(hpa_active, timeout=240, what="the HPA reads te_queue_size through prometheus-adapter")
+    print(f"HPA active: metrics {[m.pods.current.average_value for m in h.status.current_metrics or []]}")
+    names = [o["metadata"]["name"] for o in svc.co.list_namespaced_custom_object(
+        "keda.sh", "v1alpha1", ns, "scaledobjects")["items"]]
+    assert NAME not in names  # the ScaledObject is pruned: one autoscaler at a time
+    assert svc.core.read_namespaced_service(NAME, ns).spec.selector["app.kubernetes.io/name"] == "embedops-server"
+
+    replicas = ReplicasWatch(svc.apps, ns, NAME)
+    texts = [f"passage {i} about autoscaling embeddings servers on their queue depth " * 6 for i in range(8)]
+    with _load(kube, real, svc, ns, "load-hpa", 24, 300, texts) as summary:
+        t0 = time.monotonic()
+        wait_for(lambda: svc.deployment(NAME).spec.replicas == 2, timeout=180, what="the HPA scales to 2 under load")
+        up_after = time.monotonic() - t0
+        wait_for(lambda: svc.get(NAME)["status"].get("replicasSummary") == "2/2", timeout=180, what="2/2 ready")
+    t1 = time.monotonic()
+    wait_for(lambda: svc.deployment(NAME).spec.replicas == 1, timeout=240, what="the HPA scales back to 1")
+    down_after = time.monotonic() - t1
+    time.sleep(3)
+    replicas.stop()
+    d = svc.deployment(NAME)
+    owners = [m.manager for m in d.metadata.managed_fields if '"f:replicas"' in json.dumps(m.fields_v1)]
+    print(f"HPA via prometheus-adapter: 1 -> 2 {up_after:.0f} s after the load started, 2 -> 1 {down_after:.0f} s "
+          f"after it stopped (window 20 s); spec.replicas took {replicas.steps()}; owners {owners}; load: {summary}")
+    assert replicas.steps() == [1, 2, 1], replicas.seen
+    assert "embedops" not in owners and summary["failed"] == 0

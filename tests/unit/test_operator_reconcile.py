@@ -405,6 +405,22 @@ def test_no_hand_over_when_none_is_needed(desired_spec, live, conflict):
     assert kube.applied == []
 
 
+def test_an_hpa_takes_over_a_deployment_at_zero_only_after_it_is_raised_to_the_floor():
+    """KEDA left the service at zero (minReplicas 0) and the service now scales by HPA: an HPA never scales a
+    target at zero, so the operator raises it to the HPA's minimum under the hand-over manager, forced (KEDA
+    wrote the zero); a Deployment above zero is left to the HPA."""
+    desired = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "svc", "namespace": "ml"},
+               "spec": {"template": {}}}
+    kube = RecordingKube()
+    assert A.hand_over_replicas(kube, desired, _deployment(0, ["keda"]), floor=2)
+    (patch, manager, force), = kube.applied
+    assert patch["spec"] == {"replicas": 2} and manager == A.HANDOVER_MANAGER and force is True
+    kube = RecordingKube()
+    assert not A.hand_over_replicas(kube, desired, _deployment(3, ["kube-controller-manager"]), floor=2)
+    assert not A.hand_over_replicas(kube, desired, _deployment(0, ["keda"]), floor=None)  # KEDA wakes it itself
+    assert kube.applied == []
+
+
 def test_the_deployment_cache_keeps_only_the_replicas_owners():
     from embedops_operator.controller import TRANSFORMS
 
