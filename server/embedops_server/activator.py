@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import socket
@@ -35,9 +36,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 log = logging.getLogger("embedops.activator")
 
-# Connection-level headers a proxy must not forward (RFC 9110 section 7.6.1); Host and the length are set anew.
+# Connection-level headers a proxy must not forward (RFC 9110 section 7.6.1). A request's Host and length are
+# set anew for the backend; a response's length is kept (its bytes are passed on unchanged).
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-                        "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
+                        "trailer", "trailers", "transfer-encoding", "upgrade"})
+REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length"}
 # Failures that mean the request never reached a server: no endpoint behind the backend Service (refused),
 # a pod going away before it answered. The server's routes are pure functions of their input, so sending
 # such a request again cannot do anything twice.
@@ -69,7 +72,8 @@ class Activator:
         self.client: httpx.AsyncClient | None = None
         self.registry = CollectorRegistry()
         self.requests = Counter("embedops_activator_requests", "Requests by outcome: forwarded (answered by a "
-                                "replica, any status), timeout (no replica in time), too_large", ["outcome"],
+                                "replica, any status), timeout (no replica in time), too_large, client_gone (left "
+                                "while held or waiting), backend_error (502/504), broken (answer cut off)", ["outcome"],
                                 registry=self.registry)
         self.held_seconds = Histogram("embedops_activator_held_seconds", "Time a request waited for a ready "
                                       "replica (held requests only)", registry=self.registry,
@@ -103,52 +107,77 @@ class Activator:
             await self.client.aclose()
 
     async def forward(self, method: str, target: str, headers: list[tuple[bytes, bytes]],
-                      body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        """Send one request on, holding it while no replica answers; (status, headers, body) to return."""
+                      body: bytes, send: Send) -> None:
+        """Send one request on, holding it while no replica answers, and stream the answer back to ``send``."""
         assert self.client is not None, "start() first"
         now = time.monotonic()
         self._started.append(now)
         self._recent(now)
         self.in_flight += 1
+        try:
+            response = await self._open(method, target, headers, body)
+            if isinstance(response, tuple):
+                await _respond(send, *response)
+                return
+            try:
+                await send({"type": "http.response.start", "status": response.status_code,
+                            "headers": [(k.encode("latin-1"), v.encode("latin-1"))
+                                        for k, v in response.headers.multi_items() if k.lower() not in HOP_BY_HOP]})
+                # raw bytes, streamed: the body is passed on as the replica encoded it, never held whole (an
+                # /embed_hybrid answer runs to tens of MB)
+                async for chunk in response.aiter_raw():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+                self.requests.labels("forwarded").inc()
+            except httpx.HTTPError as exc:  # the replica went away mid-answer: the client sees a cut response
+                self.requests.labels("broken").inc()
+                log.warning("answer from %s broken off: %s: %s", self.backend, type(exc).__name__, exc)
+            finally:
+                await response.aclose()
+        finally:
+            self.in_flight -= 1
+
+    async def _open(self, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes):
+        """The backend's streaming response, or (status, headers, body) of the activator's own error."""
+        assert self.client is not None
+        fwd = [(k, v) for k, v in headers if k.decode("latin-1").lower() not in REQUEST_SKIP]
         held_since: float | None = None
-        fwd = [(k, v) for k, v in headers if k.decode("latin-1").lower() not in HOP_BY_HOP]
         try:
             while True:
                 try:
                     request = self.client.build_request(method, target, headers=fwd, content=body)
                     response = await self.client.send(request, stream=True)
-                    try:  # raw bytes: the body is passed on as the replica encoded it
-                        content = b"".join([chunk async for chunk in response.aiter_raw()])
-                    finally:
-                        await response.aclose()
                     # a held request that meets a server still loading its model (503 before its readiness
                     # probe passes, or outside Kubernetes) waits on; a 503 on the first try is passed on at once
                     if not (held_since is not None and response.status_code == 503
                             and time.monotonic() - held_since < self.activation_timeout):
-                        break
-                    await asyncio.sleep(self.retry_interval)
+                        return response
+                    await response.aclose()
                 except NOT_DELIVERED as exc:
                     if held_since is None:
                         held_since = time.monotonic()
                         self.held += 1
                         log.info("no ready replica behind %s (%s): holding %s %s", self.backend,
                                  type(exc).__name__, method, target)
-                    waited = time.monotonic() - held_since
-                    if waited >= self.activation_timeout:
-                        self.requests.labels("timeout").inc()
-                        return _error(503, "Unhealthy", f"no replica of this service became ready within "
-                                      f"{self.activation_timeout:.0f} s of the request (scaled to zero and "
-                                      f"waking up, or failing to start); retry later", retry_after=10)
-                    await asyncio.sleep(self.retry_interval)
+                except httpx.TimeoutException as exc:  # sent, and no answer within --request-timeout
+                    self.requests.labels("backend_error").inc()
+                    return _error(504, "GatewayTimeout", f"the replica did not answer within "
+                                  f"{self.request_timeout:.0f} s ({type(exc).__name__})")
+                except httpx.HTTPError as exc:
+                    self.requests.labels("backend_error").inc()
+                    log.warning("request to %s failed: %s: %s", self.backend, type(exc).__name__, exc)
+                    return _error(502, "BadGateway", f"the replica's answer could not be read: "
+                                  f"{type(exc).__name__}")
+                if held_since is not None and time.monotonic() - held_since >= self.activation_timeout:
+                    self.requests.labels("timeout").inc()
+                    return _error(503, "Unhealthy", f"no replica of this service became ready within "
+                                  f"{self.activation_timeout:.0f} s of the request (scaled to zero and waking "
+                                  f"up, or failing to start); retry later", retry_after=10)
+                await asyncio.sleep(self.retry_interval)
         finally:
-            self.in_flight -= 1
             if held_since is not None:
                 self.held -= 1
                 self.held_seconds.observe(time.monotonic() - held_since)
-        self.requests.labels("forwarded").inc()
-        out = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.multi_items()
-               if k.lower() not in HOP_BY_HOP]
-        return response.status_code, out, content
 
 
 def _error(status: int, kind: str, message: str, retry_after: int | None = None):
@@ -186,8 +215,20 @@ class App:
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
-        await _respond(send, *await self.activator.forward(scope["method"], target.decode("latin-1"),
-                                                           scope["headers"], body))
+        forward = asyncio.ensure_future(self.activator.forward(scope["method"], target.decode("latin-1"),
+                                                                scope["headers"], body, send))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait((forward, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not forward.done():  # the client left: a held request stops counting as demand
+            forward.cancel()
+            self.activator.requests.labels("client_gone").inc()
+            with contextlib.suppress(asyncio.CancelledError):
+                await forward
+            return
+        forward.result()
 
     async def _read_body(self, receive: Receive) -> bytes:
         chunks, size = [], 0
@@ -229,6 +270,11 @@ class App:
                 return
 
 
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _respond(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [*headers, (b"content-length", str(len(body)).encode())]})
@@ -259,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--activity-window", type=float, default=float(env("ACTIVITY_WINDOW", "10")),
                    help="seconds a request counts as demand after it started (at least KEDA's polling interval)")
     p.add_argument("--retry-interval", type=float, default=0.25)
+    p.add_argument("--request-timeout", type=float, default=float(env("REQUEST_TIMEOUT", "600")),
+                   help="seconds to wait for a replica's answer once the request reached it (then 504)")
     p.add_argument("--max-body-bytes", type=int, default=64 << 20)
     return p
 
@@ -268,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     activator = Activator(args.backend, activation_timeout=args.activation_timeout,
                           activity_window=args.activity_window, retry_interval=args.retry_interval,
-                          max_body=args.max_body_bytes)
+                          max_body=args.max_body_bytes, request_timeout=args.request_timeout)
     sockets = [listening_socket(args.hostname, args.port), listening_socket(args.hostname, args.admin_port)]
     config = uvicorn.Config(App(activator, args.admin_port), lifespan="on", access_log=False, log_level="warning",
                             timeout_graceful_shutdown=30)

@@ -4,6 +4,7 @@ answered once one is up; what it forwards comes back byte for byte; no replica i
 from __future__ import annotations
 
 import contextlib
+import socket
 import subprocess
 import sys
 import threading
@@ -74,13 +75,14 @@ def test_a_request_with_no_replica_is_held_then_answered_byte_for_byte():
             for method, path, payload in [("POST", "/v1/embeddings", {"input": "hi", "model": "x"}),
                                           ("POST", "/embed", {"inputs": []}),
                                           ("POST", "/embed", {"wrong": 1}),
+                                          ("POST", "/embed_all", {"inputs": ["a long passage " * 60] * 4}),
                                           ("GET", "/info", None), ("GET", "/health", None),
                                           ("GET", "/nope?x=1", None)]:
                 via = httpx.request(method, url + path, json=payload, timeout=30)
                 straight = httpx.request(method, direct + path, json=payload, timeout=30)
                 assert (via.status_code, via.content) == (straight.status_code, straight.content), path
             metrics = httpx.get(admin + "/metrics", timeout=5).text
-            assert 'embedops_activator_requests_total{outcome="forwarded"} 7.0' in metrics
+            assert 'embedops_activator_requests_total{outcome="forwarded"} 8.0' in metrics
             assert "embedops_activator_held_seconds_count 1.0" in metrics
         time.sleep(2.5)  # the activity window: a finished request stops counting as demand
         assert demand(admin) == {"demand": 0, "held": 0, "in_flight": 0, "recent": 0}
@@ -107,3 +109,25 @@ def test_the_cli_needs_a_backend():
     r = subprocess.run([sys.executable, "-m", "embedops_server.activator"], capture_output=True, text=True,
                        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
     assert r.returncode == 2 and "--backend" in r.stderr
+
+
+def test_a_client_that_leaves_while_held_stops_counting_as_demand():
+    backend = free_port()
+    with activator(backend, "--activity-window", "1") as (url, admin):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/embed", json={"inputs": "hello"}, timeout=httpx.Timeout(1.5, connect=1))
+        deadline = time.time() + 10
+        while demand(admin) != {"demand": 0, "held": 0, "in_flight": 0, "recent": 0}:
+            assert time.time() < deadline, demand(admin)  # KEDA would keep waking the service for nobody
+            time.sleep(0.1)
+        assert 'embedops_activator_requests_total{outcome="client_gone"} 1.0' in httpx.get(admin + "/metrics").text
+
+
+def test_a_replica_that_takes_the_request_and_never_answers_is_a_504():
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        with activator(silent.getsockname()[1], "--request-timeout", "1") as (url, admin):
+            r = httpx.post(url + "/embed", json={"inputs": "hello"}, timeout=30)
+            assert r.status_code == 504 and r.json()["error_type"] == "GatewayTimeout"
+            assert "within 1 s" in r.json()["error"]
