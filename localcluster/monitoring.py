@@ -217,8 +217,6 @@ def keda_manifests(operator_image: str, adapter_image: str, node_selector: dict)
 def keda_up(kube, timeout: float = 300) -> None:
     """Build what is missing, install KEDA's CRDs and controllers, and wait until the API server serves
     external metrics through KEDA's adapter."""
-    from kubernetes import client
-
     from . import images
     from .build import Builder
 
@@ -231,22 +229,7 @@ def keda_up(kube, timeout: float = 300) -> None:
     kube.import_images([op, adapter])
     kube.install_crds(["keda"])
     kube.apply(keda_manifests(op.ref, adapter.ref, {"kubernetes.io/hostname": kube.real_node}))
-    deadline = time.monotonic() + timeout
-    with kube.api_client() as api:
-        reg = client.ApiregistrationV1Api(api)
-        apps = client.AppsV1Api(api)
-        while True:
-            svc = reg.read_api_service("v1beta1.external.metrics.k8s.io")
-            conds = {c.type: (c.status, c.message) for c in (svc.status.conditions or [])}
-            if conds.get("Available", ("",))[0] == "True":
-                break
-            if time.monotonic() > deadline:
-                deps = {d.metadata.name: (d.status.ready_replicas, d.status.conditions and
-                                          [c.message for c in d.status.conditions])
-                        for d in apps.list_namespaced_deployment(KEDA_NAMESPACE).items}
-                raise TimeoutError(f"KEDA's external metrics API not available after {timeout:.0f}s: {conds}; "
-                                   f"deployments: {deps}")
-            time.sleep(1)
+    wait_api_service(kube, "v1beta1.external.metrics.k8s.io", KEDA_NAMESPACE, timeout)
     _log(f"KEDA {op.ref.rsplit(':', 1)[0]} serving external metrics in {time.monotonic() - t:.0f}s")
 
 
@@ -337,9 +320,7 @@ def adapter_manifests(image: str, node_selector: dict, prometheus_url: str) -> l
 
 def adapter_up(kube, timeout: float = 300) -> None:
     """Build what is missing, run prometheus-adapter on the real node against this Prometheus, and wait until
-    the API server serves the pods metric te_queue_size through it (once a pod reports the series)."""
-    from kubernetes import client
-
+    the API server serves the custom metrics API through it."""
     from . import images
     from .build import Builder
 
@@ -351,16 +332,27 @@ def adapter_up(kube, timeout: float = 300) -> None:
     kube.import_images([image])
     kube.apply(adapter_manifests(image.ref, {"kubernetes.io/hostname": kube.real_node},
                                  f"http://prometheus-operated.{NAMESPACE}.svc:9090/"))
+    wait_api_service(kube, "v1beta1.custom.metrics.k8s.io", NAMESPACE, timeout)
+    _log(f"prometheus-adapter {image.ref.rsplit(':', 1)[0]} serving custom metrics in {time.monotonic() - t:.0f}s")
+
+
+def wait_api_service(kube, name: str, namespace: str, timeout: float) -> None:
+    """Until the aggregated APIService ``name`` is Available (its server answers the API server); on a timeout
+    the error carries its conditions and the Deployments of ``namespace`` (where its server runs)."""
+    from kubernetes import client
+
     deadline = time.monotonic() + timeout
     with kube.api_client() as api:
         reg = client.ApiregistrationV1Api(api)
         while True:
-            svc = reg.read_api_service("v1beta1.custom.metrics.k8s.io")
+            svc = reg.read_api_service(name)
             conds = {c.type: (c.status, c.message) for c in (svc.status.conditions or [])}
             if conds.get("Available", ("",))[0] == "True":
-                break
+                return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"prometheus-adapter's custom metrics API not available after {timeout:.0f}s: "
-                                   f"{conds}")
+                deps = {d.metadata.name: (d.status.ready_replicas, d.status.conditions and
+                                          [c.message for c in d.status.conditions])
+                        for d in client.AppsV1Api(api).list_namespaced_deployment(namespace).items}
+                raise TimeoutError(f"APIService {name} not available after {timeout:.0f}s: {conds}; "
+                                   f"deployments in {namespace}: {deps}")
             time.sleep(1)
-    _log(f"prometheus-adapter {image.ref.rsplit(':', 1)[0]} serving custom metrics in {time.monotonic() - t:.0f}s")

@@ -321,29 +321,37 @@ def test_keda_scales_the_service_up_under_load_and_back_down(kube, real, ns, svc
     so = wait_for(scaled_object_ready, timeout=120, what="ScaledObject Ready (KEDA made its HPA)")
     print(f"ScaledObject status: {so['status'].get('hpaName')}, {so['status'].get('externalMetricNames')}")
 
+    up_after, down_after, steps, owners, summary = _one_to_two_and_back(kube, real, svc, ns, "load-keda", "KEDA")
+    print(f"KEDA: 1 -> 2 {up_after:.0f} s after the load started, 2 -> 1 {down_after:.0f} s after it stopped "
+          f"(cooldown 20 s); spec.replicas took {steps}; owners of replicas {owners}; load: {summary}")
+
+
+def _one_to_two_and_back(kube, real, svc, ns: str, load_name: str, scaler: str):
+    """24 client threads until the autoscaler has 2 replicas ready, then none until it is back at 1. Asserts
+    spec.replicas took exactly 1, 2, 1 (every value watched), the operator never owned it, no request failed;
+    returns (seconds to 2, seconds back to 1, steps, owners of replicas, the load's summary)."""
     replicas = ReplicasWatch(svc.apps, ns, NAME)
     texts = [f"passage {i} about autoscaling embeddings servers on their queue depth " * 6 for i in range(8)]
-    with _load(kube, real, svc, ns, "load-keda", 24, 300, texts) as summary:
+    with _load(kube, real, svc, ns, load_name, 24, 300, texts) as summary:
         t0 = time.monotonic()
-        wait_for(lambda: svc.deployment(NAME).spec.replicas == 2, timeout=180, what="KEDA scales to 2 under load")
+        wait_for(lambda: svc.deployment(NAME).spec.replicas == 2, timeout=180, what=f"{scaler} scales to 2 under load")
         up_after = time.monotonic() - t0
         wait_for(lambda: svc.get(NAME)["status"].get("replicasSummary") == "2/2", timeout=180, what="2/2 ready")
         row = next(r for r in _get_embsvc(svc, ns) if r["Name"] == NAME)
         print(f"kubectl get embsvc: {row}")
         assert row["Replicas"] == "2/2"
     t1 = time.monotonic()
-    wait_for(lambda: svc.deployment(NAME).spec.replicas == 1, timeout=240, what="KEDA scales back to 1")
+    wait_for(lambda: svc.deployment(NAME).spec.replicas == 1, timeout=240, what=f"{scaler} scales back to 1")
     down_after = time.monotonic() - t1
     time.sleep(3)
     replicas.stop()
     d = svc.deployment(NAME)
     owners = [m.manager for m in d.metadata.managed_fields if '"f:replicas"' in json.dumps(m.fields_v1)]
     steps = replicas.steps()
-    print(f"KEDA: 1 -> 2 {up_after:.0f} s after the load started, 2 -> 1 {down_after:.0f} s after it stopped "
-          f"(cooldown 20 s); spec.replicas took {steps}; owners of replicas {owners}; load: {summary}")
     assert steps == [1, 2, 1], replicas.seen
     assert "embedops" not in owners, owners
-    assert summary["failed"] == 0
+    assert summary["failed"] == 0, summary
+    return up_after, down_after, steps, owners, summary
 
 
 def _get_embsvc(svc, ns: str) -> list[dict[str, str]]:
@@ -478,21 +486,6 @@ def test_without_keda_the_hpa_scales_through_prometheus_adapter(kube, real, ns, 
     assert NAME not in names  # the ScaledObject is pruned: one autoscaler at a time
     assert svc.core.read_namespaced_service(NAME, ns).spec.selector["app.kubernetes.io/name"] == "embedops-server"
 
-    replicas = ReplicasWatch(svc.apps, ns, NAME)
-    texts = [f"passage {i} about autoscaling embeddings servers on their queue depth " * 6 for i in range(8)]
-    with _load(kube, real, svc, ns, "load-hpa", 24, 300, texts) as summary:
-        t0 = time.monotonic()
-        wait_for(lambda: svc.deployment(NAME).spec.replicas == 2, timeout=180, what="the HPA scales to 2 under load")
-        up_after = time.monotonic() - t0
-        wait_for(lambda: svc.get(NAME)["status"].get("replicasSummary") == "2/2", timeout=180, what="2/2 ready")
-    t1 = time.monotonic()
-    wait_for(lambda: svc.deployment(NAME).spec.replicas == 1, timeout=240, what="the HPA scales back to 1")
-    down_after = time.monotonic() - t1
-    time.sleep(3)
-    replicas.stop()
-    d = svc.deployment(NAME)
-    owners = [m.manager for m in d.metadata.managed_fields if '"f:replicas"' in json.dumps(m.fields_v1)]
+    up_after, down_after, steps, owners, summary = _one_to_two_and_back(kube, real, svc, ns, "load-hpa", "the HPA")
     print(f"HPA via prometheus-adapter: 1 -> 2 {up_after:.0f} s after the load started, 2 -> 1 {down_after:.0f} s "
-          f"after it stopped (window 20 s); spec.replicas took {replicas.steps()}; owners {owners}; load: {summary}")
-    assert replicas.steps() == [1, 2, 1], replicas.seen
-    assert "embedops" not in owners and summary["failed"] == 0
+          f"after it stopped (window 20 s); spec.replicas took {steps}; owners {owners}; load: {summary}")
