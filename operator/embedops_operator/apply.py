@@ -437,19 +437,18 @@ def hand_over_replicas(kube: Kube, desired: dict, live: dict | None, floor: int 
     """
     if desired["kind"] != "Deployment" or live is None or "replicas" in desired.get("spec", {}):
         return False
-    meta = desired["metadata"]
-    if floor and ((live.get("spec") or {}).get("replicas", 1) or 0) == 0:
-        kube.apply({"apiVersion": desired["apiVersion"], "kind": desired["kind"],
-                    "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
-                    "spec": {"replicas": floor}}, manager=HANDOVER_MANAGER, force=True)
-        return True
-    if not owns_replicas(live, render.MANAGER):
+    running = (live.get("spec") or {}).get("replicas", 1)
+    if floor and not running:
+        replicas, force = floor, True
+    elif owns_replicas(live, render.MANAGER):
+        replicas, force = running, False
+    else:
         return False
+    meta = desired["metadata"]
     patch = {"apiVersion": desired["apiVersion"], "kind": desired["kind"],
-             "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
-             "spec": {"replicas": (live.get("spec") or {}).get("replicas", 1)}}
+             "metadata": {"name": meta["name"], "namespace": meta["namespace"]}, "spec": {"replicas": replicas}}
     try:
-        kube.apply(patch, manager=HANDOVER_MANAGER, force=False)
+        kube.apply(patch, manager=HANDOVER_MANAGER, force=force)
     except ApiException as exc:
         if exc.status == 409:
             return False
@@ -469,7 +468,7 @@ def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> list[
         manager = litellm.manager(service_name) if obj["kind"] == "ConfigMap" else render.MANAGER
         meta = obj["metadata"]
         live = kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        if hand_over_replicas(kube, obj, live, floor=hpa_floor if meta["name"] == service_name else None):
+        if hand_over_replicas(kube, obj, live, floor=hpa_floor):
             written.append(f"{obj['kind']}/{meta['name']} (replicas handed to the autoscaler)")
         wrote = live is None or needs_write(kube, obj, manager=manager, live=live)
         if wrote:

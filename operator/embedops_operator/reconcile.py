@@ -119,8 +119,7 @@ class Reconciler:
                     and any((m["apiVersion"], m["kind"]) == render.HTTPROUTE for m in manifests):
                 observed.route = self.kube.get(*render.HTTPROUTE, namespace, name)
             observed.deployment = self.kube.get("apps/v1", "Deployment", namespace, name)
-            if manifests is not None and any(m["metadata"]["name"] == render.activator_name(name)
-                                             and m["kind"] == "Deployment" for m in manifests):
+            if manifests is not None and render.scales_to_zero(spec, options):  # spec: parsed above
                 observed.activator = self.kube.get("apps/v1", "Deployment", namespace, render.activator_name(name))
             observed.pods = self.kube.list("v1", "Pod", namespace, render.selector_string(name))
             written = self.write_status(resource, observed, options)

@@ -656,11 +656,9 @@ def http_route(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | Non
             "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner), "spec": route_spec}
 
 
-def scaled_object(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None,
-                  options: Options | None = None) -> dict:
+def scaled_object(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, options: Options) -> dict:
     a = spec.autoscaling
     assert a is not None
-    options = options or Options()
     to_zero = scales_to_zero(spec, options)
     query = f'sum(te_queue_size{{namespace="{ns}",service="{name}"}})'
     triggers: list[dict] = [{"type": "prometheus", "metadata": {

@@ -30,8 +30,8 @@ class Observed:
     apply_error: str | None = None
     refused: tuple[str, str] | None = None  # (reason, message): the spec cannot fit its memory (memory.refusal)
     route: dict | None = None  # the live HTTPRoute (its status.parents is what the gateways say of it)
-    # minReplicas 0: the activator's Deployment, which answers the service's address (False: not expected)
-    activator: dict | None | bool = False
+    # minReplicas 0 (render.scales_to_zero): the activator's Deployment, which answers the service's address
+    activator: dict | None = None
 
 
 def _parse_time(value: str | None) -> dt.datetime | None:
@@ -194,9 +194,8 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
         and updated >= desired and ready >= desired and available >= desired
         and replicas == desired  # old pods gone
     )
-    activator_ready = observed.activator is False or (
-        isinstance(observed.activator, dict)
-        and ((observed.activator.get("status") or {}).get("availableReplicas") or 0) >= 1)
+    activator_ready = spec is None or not render.scales_to_zero(spec, options) or (
+        ((observed.activator or {}).get("status") or {}).get("availableReplicas", 0) >= 1)
     if stalled:
         cond("Ready", "False", stalled[0], stalled[1])
         cond("Reconciling", "False", stalled[0], "")

@@ -34,6 +34,8 @@ import orjson
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .asgi import BodyTooLarge, read_body
+
 log = logging.getLogger("embedops.activator")
 
 # Connection-level headers a proxy must not forward (RFC 9110 section 7.6.1). A request's Host and length are
@@ -49,10 +51,6 @@ NOT_DELIVERED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolE
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
-
-
-class PayloadTooLarge(Exception):
-    pass
 
 
 class Activator:
@@ -206,11 +204,14 @@ class App:
             await self._admin(scope, send)
             return
         try:
-            body = await self._read_body(receive)
-        except PayloadTooLarge:
+            body = await read_body(receive, self.activator.max_body)
+        except BodyTooLarge:
             self.activator.requests.labels("too_large").inc()
             await _respond(send, *_error(413, "PayloadTooLarge", f"request body over the activator's limit of "
                                          f"{self.activator.max_body} bytes"))
+            return
+        if body is None:  # the client left before its body ended: nothing to forward
+            self.activator.requests.labels("client_gone").inc()
             return
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
@@ -229,21 +230,6 @@ class App:
                 await forward
             return
         forward.result()
-
-    async def _read_body(self, receive: Receive) -> bytes:
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.activator.max_body:
-                raise PayloadTooLarge()
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
-        return b"".join(chunks)
 
     async def _admin(self, scope: Scope, send: Send) -> None:
         path = scope["path"]

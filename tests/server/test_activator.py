@@ -131,3 +131,18 @@ def test_a_replica_that_takes_the_request_and_never_answers_is_a_504():
             r = httpx.post(url + "/embed", json={"inputs": "hello"}, timeout=30)
             assert r.status_code == 504 and r.json()["error_type"] == "GatewayTimeout"
             assert "within 1 s" in r.json()["error"]
+
+
+def test_a_body_cut_off_by_the_client_is_not_forwarded():
+    backend = free_port()
+    with activator(backend) as (url, admin):
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"inp\r\n")
+            time.sleep(0.3)
+        deadline = time.time() + 10
+        while 'outcome="client_gone"} 1.0' not in httpx.get(admin + "/metrics").text:
+            assert time.time() < deadline
+            time.sleep(0.1)
+        assert demand(admin)["held"] == 0 and demand(admin)["in_flight"] == 0  # nothing was sent on

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 
+from ..asgi import BodyTooLarge, read_body
 from .errors import error_body
 
 PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json",
@@ -49,20 +50,14 @@ class GuardMiddleware:
         if scope["method"] in ("GET", "HEAD"):
             return await self.app(scope, receive, send)
         # Chunked body: buffer it up to the limit before the app sees it, then replay.
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                return await _send_error(send, path, 413, "PayloadTooLarge",
-                                         f"payload too large: the limit is {self.limit} bytes")
-            chunks.append(chunk)
-            if not msg.get("more_body"):
-                break
-        body, sent = b"".join(chunks), False
+        try:
+            body = await read_body(receive, self.limit)
+        except BodyTooLarge:
+            return await _send_error(send, path, 413, "PayloadTooLarge",
+                                     f"payload too large: the limit is {self.limit} bytes")
+        if body is None:
+            return
+        sent = False
 
         async def replay():
             nonlocal sent

@@ -1,0 +1,28 @@
+"""Small ASGI helpers shared by the server's middleware and the activator (both plain ASGI, no framework)."""
+from __future__ import annotations
+
+from typing import Awaitable, Callable
+
+Receive = Callable[[], Awaitable[dict]]
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, read chunk by chunk (chunked uploads carry no Content-Length to check first).
+    Raises BodyTooLarge as soon as it passes ``limit`` bytes; None when the client went away before the end
+    (nothing to answer, and a partial body must not be acted on)."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge()
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
