@@ -26,3 +26,18 @@ async def read_body(receive: Receive, limit: int) -> bytes | None:
         chunks.append(chunk)
         if not message.get("more_body"):
             return b"".join(chunks)
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that hands an already read ``body`` to the next app, then passes on what comes after it (the
+    disconnect)."""
+    sent = False
+
+    async def receive_again() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return receive_again

@@ -20,6 +20,10 @@ class Backend:
     preferred_batch_tokens: int | None = None
     # Forwards the engine may run at once (see Batch.parallel); more than 1 only where measured to pay.
     parallel_forwards = 1
+    # Padded tokens up to which the engine may run a forward on the event loop's own thread when nothing else is
+    # queued or running (a lone query): the two thread hops around a millisecond-long forward cost a large part
+    # of it. 0: never (a forward that could block the loop for long, or one that must stay on its own thread).
+    inline_tokens = 0
 
     def bucket(self, rows: int, cols: int) -> tuple[int, int]:
         """Padded shape for a batch. CPU: exact. CUDA: a small set of shapes so captured graphs can be reused."""

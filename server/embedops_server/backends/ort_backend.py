@@ -113,6 +113,10 @@ class OrtBackend(Backend):
         if self.small_tokens > 0 and (threads or 1) > 1 and small_model:
             self.small_session = self._latency_session(info, cache, tokenizer, reference, int8_min_cosine)
         del reference
+        # A lone query's forward (the spinning session's sizes) may run on the event loop's thread: its two
+        # thread hops cost ~0.3 ms of a 2-4 ms answer (docs/bench.md). EMBEDOPS_INLINE_FORWARD=0 turns it off.
+        if self.small_session is not None and os.environ.get("EMBEDOPS_INLINE_FORWARD", "1") != "0":
+            self.inline_tokens = self.small_tokens
         # Two forwards side by side under load, each on half the threads, in a session of their own (ORT runs
         # concurrent Run calls on one session). A small model's operators are too short to keep two threads busy
         # between barriers: on 2 cores, two 1-thread forwards of 8 x 32 tokens do 362-371 texts/s against 277-305

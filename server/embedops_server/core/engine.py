@@ -4,6 +4,9 @@ Event loop -> TokenizerPool (threads; a small request is encoded on the event lo
 batcher thread (forms the next batch and builds its padded arrays while the forwards run) -> inference threads
 (backend forward + numpy post-processing) -> one call_soon_threadsafe per batch back to the event loop.
 
+A lone small request (nothing else queued or running, within the backend's `inline_tokens`) is tokenized and run
+on the event loop's own thread instead, answered before `submit` returns: no thread hop either way.
+
 One inference thread by default. A backend may ask for more (`parallel_forwards`): small CPU models run two
 forwards side by side, each on part of the cores, which beats one forward on all of them (no barrier between
 threads per operator; measured in docs/bench.md).
@@ -32,6 +35,9 @@ log = logging.getLogger(__name__)
 # under half its token budget. Never at concurrency 1 (no look-ahead batch exists there).
 LINGER_MAX_S = 0.002
 LINGER_FRACTION = 0.1
+# An inline forward blocks the event loop (no request is parsed or answered meanwhile): only while forwards of
+# that size take less than this (moving average over every forward within `inline_tokens`, inline or not).
+INLINE_MAX_S = 0.005
 
 
 def linger_s(forward_s: float, batch_tokens: int, budget_tokens: int, tokenizing: int) -> float:
@@ -136,6 +142,8 @@ class Engine:
         self._throughput = 0.0  # inputs/s, exponential moving average, for Retry-After
         self._forward_s = 0.0  # seconds per forward, exponential moving average (look-ahead linger)
         self._tokenizing = 0  # inputs submitted to the tokenizers and not yet queued (guarded by _cv)
+        self.inline_tokens = getattr(backend, "inline_tokens", 0)
+        self._inline_s = 0.0  # seconds per forward within inline_tokens, moving average (0: none seen yet)
         self._stop = False
         self._threads = [threading.Thread(target=self._batcher, name="batcher", daemon=True)] + [
             threading.Thread(target=self._inference, name=f"inference-{i}" if i else "inference", daemon=True)
@@ -162,6 +170,7 @@ class Engine:
         ``outputs``: a multi-output request (any of "dense", "sparse", "colbert", which the backend's model must
         have); each result is then a dict of those, all from one forward."""
         loop = asyncio.get_running_loop()
+        loop_thread = threading.get_ident()
         req = Request(loop, len(texts), need_tokens, tuple(outputs) if outputs else None)
         n = len(texts)
         with self._cv:
@@ -181,10 +190,35 @@ class Engine:
                 entries.append(Entry(req, i, ids, tids))
                 req.tokens += len(ids)
                 self.stats.on_input_length(len(ids))
+            if threading.get_ident() == loop_thread and self._run_inline(entries):
+                return
             self.queue.put_many(entries)
 
         self.tokenizers.submit(EncodeJob(texts, truncate, direction, self.max_input_length, tokenized))
         return req
+
+    def _run_inline(self, entries: list[Entry]) -> bool:
+        """On the event loop, with `entries` just tokenized there: run their forward here and now if they are
+        small and the engine is idle (True: answered, the futures are set). Otherwise the threads run them."""
+        if not self.inline_tokens or self._inline_s >= INLINE_MAX_S:
+            return False
+        rows, cols = self.backend.bucket(len(entries), max(e.length for e in entries))
+        if rows * cols > self.inline_tokens:
+            return False
+        with self._cv:
+            if self._running or self._slot is not None or len(self.queue) or self._stop:
+                return False
+            self._running += 1  # the inference threads leave the engine to us until _forward_done
+        prepared = self._prepare(entries, [])
+        if prepared is None:  # its requests were failed (logged); the forward never ran
+            self._forward_done()
+            return True
+        try:
+            self._run_batch(*prepared, on_loop=True)
+        except Exception as e:  # as on an inference thread: the requests get an answer, the loop goes on
+            log.exception("inference failed")
+            self._fail_entries(entries, EngineError(BACKEND, f"inference failed: {e}"))
+        return True
 
     # ---- batcher thread ----------------------------------------------------------------------
     def _batcher(self) -> None:
@@ -310,7 +344,7 @@ class Engine:
                 log.exception("inference failed")
                 self._fail_entries(entries, EngineError(BACKEND, f"inference failed: {e}"))
 
-    def _run_batch(self, entries: list[Entry], batch: Batch) -> None:
+    def _run_batch(self, entries: list[Entry], batch: Batch, on_loop: bool = False) -> None:
         try:
             self.stats.on_batch(len(entries), int(batch.lengths[: len(entries)].sum()))
             t0 = time.perf_counter()
@@ -342,8 +376,13 @@ class Engine:
             rate = len(entries) / dt * (self.workers if batch.parallel else 1)
             self._throughput = rate if not self._throughput else 0.8 * self._throughput + 0.2 * rate
             self._forward_s = dt if not self._forward_s else 0.8 * self._forward_s + 0.2 * dt
+            if batch.input_ids.size <= self.inline_tokens:
+                self._inline_s = dt if not self._inline_s else 0.8 * self._inline_s + 0.2 * dt
         if finished:
-            finished[0].loop.call_soon_threadsafe(_finish_all, finished)
+            if on_loop:
+                _finish_all(finished)
+            else:
+                finished[0].loop.call_soon_threadsafe(_finish_all, finished)
 
     def healthy(self) -> bool:
         """False if an engine thread died: /health then answers 503 so Kubernetes restarts the pod."""
@@ -364,6 +403,17 @@ class Engine:
         if self.workers > 1:  # the sessions used beside another forward too
             batch.parallel = True
             self.backend.forward(batch)
+        if self.inline_tokens:  # the inline forward's size: its time decides whether the loop may run it
+            ids = np.full((1, max(2, self.inline_tokens)), 101, dtype=np.int64)
+            small = Batch(ids, np.ones_like(ids), np.zeros_like(ids), np.full(1, ids.shape[1], dtype=np.int64))
+            times = []
+            for _ in range(3):  # the best of three: the first run of a new shape pays for its allocations
+                t = time.perf_counter()
+                self.backend.forward(small)
+                times.append(time.perf_counter() - t)
+            self._inline_s = min(times)
+            log.info("a forward of %d tokens takes %.1f ms: lone queries run it on the event loop%s", ids.shape[1],
+                     self._inline_s * 1000, "" if self._inline_s < INLINE_MAX_S else " (no: over the limit)")
 
     def close(self) -> None:
         with self._cv:

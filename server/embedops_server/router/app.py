@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
@@ -16,6 +17,7 @@ from ..service import build_service
 from ..settings import Settings
 from . import errors, openapi, routes_compat, routes_m3, routes_tei
 from .errors import error_response
+from .fast_path import FastPath
 from .middleware import DrainMiddleware, GuardMiddleware
 from .timing import TimingMiddleware
 from .routes_tei import json_response
@@ -147,7 +149,10 @@ def create_app(settings: Settings, service=None,
             "docker_label": None, "prompts": sorted(i.prompts), **routes_m3.m3_info(svc),
         })
 
-    outer = DrainMiddleware(TimingMiddleware(GuardMiddleware(app, settings.payload_limit, settings.api_key)),
+    inner = app
+    if os.environ.get("EMBEDOPS_FAST_PATH", "1") != "0":  # the embedding routes without FastAPI's machinery
+        inner = FastPath(app, app, settings.payload_limit)
+    outer = DrainMiddleware(TimingMiddleware(GuardMiddleware(inner, settings.payload_limit, settings.api_key)),
                             app.state.embedops)
     if settings.cors_allow_origin:
         from starlette.middleware.cors import CORSMiddleware

@@ -92,17 +92,25 @@ def _record(request: Request, kind: str, message: str = "") -> None:
         count_request(st, request)
 
 
+def api_error(request: Request, exc: ApiError) -> Response:
+    if exc.status != 499:
+        _record(request, exc.kind, exc.message)
+    return error_response(request.url.path, exc.status, exc.kind, exc.message, exc.retry_after)
+
+
+def engine_error(request: Request, exc: EngineError) -> Response:
+    _record(request, exc.kind, exc.message)
+    return error_response(request.url.path, STATUS[exc.kind], exc.kind, exc.message, exc.retry_after)
+
+
 def install(app) -> None:
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError):
-        if exc.status != 499:
-            _record(request, exc.kind, exc.message)
-        return error_response(request.url.path, exc.status, exc.kind, exc.message, exc.retry_after)
+        return api_error(request, exc)
 
     @app.exception_handler(EngineError)
     async def _engine(request: Request, exc: EngineError):
-        _record(request, exc.kind, exc.message)
-        return error_response(request.url.path, STATUS[exc.kind], exc.kind, exc.message, exc.retry_after)
+        return engine_error(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 
-from ..asgi import BodyTooLarge, read_body
+from ..asgi import BodyTooLarge, read_body, replay
 from .errors import error_body
 
 PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics", "/docs", "/docs/oauth2-redirect", "/openapi.json",
@@ -57,16 +57,7 @@ class GuardMiddleware:
                                      f"payload too large: the limit is {self.limit} bytes")
         if body is None:
             return
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
+        return await self.app(scope, replay(body, receive), send)
 
 
 class DrainMiddleware:

@@ -107,11 +107,12 @@ class AppState:
             req = engine.submit(texts, truncate, direction.lower(), need_tokens, outputs)
             request.scope[ENGINE_REQUEST_KEY] = req
             fut = req.future
-            watcher = asyncio.ensure_future(_disconnected(request))
-            try:
-                await asyncio.wait((fut, watcher), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                watcher.cancel()
+            if not fut.done():  # (a lone query run on the event loop is answered already)
+                watcher = asyncio.ensure_future(_disconnected(request))
+                try:
+                    await asyncio.wait((fut, watcher), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    watcher.cancel()
             if not fut.done():
                 req.cancelled = True  # the batcher drops its queued entries
                 fut.cancel()
