@@ -376,7 +376,7 @@ class Engine:
             rate = len(entries) / dt * (self.workers if batch.parallel else 1)
             self._throughput = rate if not self._throughput else 0.8 * self._throughput + 0.2 * rate
             self._forward_s = dt if not self._forward_s else 0.8 * self._forward_s + 0.2 * dt
-            if batch.input_ids.size <= self.inline_tokens:
+            if batch.input_ids.size <= self.inline_tokens and not batch.parallel:  # the inline forward's session
                 self._inline_s = dt if not self._inline_s else 0.8 * self._inline_s + 0.2 * dt
         if finished:
             if on_loop:
@@ -396,30 +396,34 @@ class Engine:
     def warmup(self, tokens: int) -> None:
         """Run one forward pass of `tokens` padded tokens (startup; surfaces OOM and compiles kernels)."""
         length = max(2, min(self.max_input_length, tokens))
-        rows = max(1, tokens // length)
-        ids = np.full((rows, length), 101, dtype=np.int64)
-        batch = Batch(ids, np.ones_like(ids), np.zeros_like(ids), np.full(rows, length, dtype=np.int64))
+        batch = _filler(max(1, tokens // length), length)
         self.backend.forward(batch)
         if self.workers > 1:  # the sessions used beside another forward too
             batch.parallel = True
             self.backend.forward(batch)
         if self.inline_tokens:  # the inline forward's size: its time decides whether the loop may run it
-            ids = np.full((1, max(2, self.inline_tokens)), 101, dtype=np.int64)
-            small = Batch(ids, np.ones_like(ids), np.zeros_like(ids), np.full(1, ids.shape[1], dtype=np.int64))
+            small = _filler(1, max(2, self.inline_tokens))
             times = []
             for _ in range(3):  # the best of three: the first run of a new shape pays for its allocations
                 t = time.perf_counter()
                 self.backend.forward(small)
                 times.append(time.perf_counter() - t)
             self._inline_s = min(times)
-            log.info("a forward of %d tokens takes %.1f ms: lone queries run it on the event loop%s", ids.shape[1],
-                     self._inline_s * 1000, "" if self._inline_s < INLINE_MAX_S else " (no: over the limit)")
+            log.info("a forward of %d tokens takes %.1f ms: lone queries run it on the event loop%s",
+                     small.input_ids.size, self._inline_s * 1000,
+                     "" if self._inline_s < INLINE_MAX_S else " (no: over the limit)")
 
     def close(self) -> None:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
         self.tokenizers.close()
+
+
+def _filler(rows: int, length: int) -> Batch:
+    """A batch of `rows` x `length` real tokens (warm-up and its timings)."""
+    ids = np.full((rows, length), 101, dtype=np.int64)
+    return Batch(ids, np.ones_like(ids), np.zeros_like(ids), np.full(rows, length, dtype=np.int64))
 
 
 def _finish_all(reqs: list[Request]) -> None:

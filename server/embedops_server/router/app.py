@@ -151,7 +151,7 @@ def create_app(settings: Settings, service=None,
 
     inner = app
     if os.environ.get("EMBEDOPS_FAST_PATH", "1") != "0":  # the embedding routes without FastAPI's machinery
-        inner = FastPath(app, app, settings.payload_limit)
+        inner = FastPath(app, settings.payload_limit)
     outer = DrainMiddleware(TimingMiddleware(GuardMiddleware(inner, settings.payload_limit, settings.api_key)),
                             app.state.embedops)
     if settings.cors_allow_origin:

@@ -39,9 +39,8 @@ def _json_body(scope) -> bool:
 
 
 class FastPath:
-    def __init__(self, app, fastapi_app, payload_limit: int):
-        self.app = app  # FastAPI, for everything else
-        self.fastapi = fastapi_app
+    def __init__(self, app, payload_limit: int):
+        self.app = app  # the FastAPI app: everything else, and what the routes read as request.app
         self.limit = payload_limit
 
     async def __call__(self, scope, receive, send):
@@ -56,7 +55,7 @@ class FastPath:
             parsed = model.model_validate_json(body)
         except ValidationError:  # FastAPI answers it (its 422, or 400 for bodies it cannot decode), as ever
             return await self.app(scope, replay(body, receive), send)
-        scope["app"] = self.fastapi  # what request.app reads (Starlette sets it when the request goes through it)
+        scope["app"] = self.app  # what request.app reads (Starlette sets it when the request goes through it)
         request = Request(scope, receive)
         try:
             response = await handler(request, parsed)
@@ -65,4 +64,3 @@ class FastPath:
         except EngineError as exc:
             response = errors.engine_error(request, exc)
         await response(scope, receive, send)
-
