@@ -4,8 +4,11 @@ Event loop -> TokenizerPool (threads; a small request is encoded on the event lo
 batcher thread (forms the next batch and builds its padded arrays while the forwards run) -> inference threads
 (backend forward + numpy post-processing) -> one call_soon_threadsafe per batch back to the event loop.
 
-A lone small request (nothing else queued or running, within the backend's `inline_tokens`) is tokenized and run
-on the event loop's own thread instead, answered before `submit` returns: no thread hop either way.
+A lone small request (nothing else queued or running, within the backend's `inline_tokens`, and the caller knows
+of no other request waiting: `alone`) is tokenized and run on the event loop's own thread instead, answered
+before `submit` returns: no thread hop either way. `alone` matters under load: requests that arrived while an
+inline forward blocked the loop are not queued yet, so without it each would find the engine idle and run
+inline in turn, one row per forward for as long as the load lasts.
 
 One inference thread by default. A backend may ask for more (`parallel_forwards`): small CPU models run two
 forwards side by side, each on part of the cores, which beats one forward on all of them (no barrier between
@@ -165,10 +168,11 @@ class Engine:
         return max(1, min(60, math.ceil(self.in_flight / rate)))
 
     def submit(self, texts: Sequence, truncate: bool, direction: str, need_tokens: bool = False,
-               outputs: Sequence[str] | None = None) -> Request:
+               outputs: Sequence[str] | None = None, alone: bool = True) -> Request:
         """Queue admitted inputs; await `request.future`. Caller must have called admit(len(texts)).
         ``outputs``: a multi-output request (any of "dense", "sparse", "colbert", which the backend's model must
-        have); each result is then a dict of those, all from one forward."""
+        have); each result is then a dict of those, all from one forward. ``alone``: the caller knows of no other
+        request waiting to be submitted (False keeps this one's forward off the event loop)."""
         loop = asyncio.get_running_loop()
         loop_thread = threading.get_ident()
         req = Request(loop, len(texts), need_tokens, tuple(outputs) if outputs else None)
@@ -190,7 +194,7 @@ class Engine:
                 entries.append(Entry(req, i, ids, tids))
                 req.tokens += len(ids)
                 self.stats.on_input_length(len(ids))
-            if threading.get_ident() == loop_thread and self._run_inline(entries):
+            if alone and threading.get_ident() == loop_thread and self._run_inline(entries):
                 return
             self.queue.put_many(entries)
 

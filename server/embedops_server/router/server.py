@@ -35,6 +35,9 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config, state):
         super().__init__(config)
         self._state = state
+        # Requests whose task uvicorn has made (headers read), running or not: the engine runs a lone query's
+        # forward on the event loop only when it is the only one (see Engine.submit's `alone`).
+        state.requests_in_flight = lambda: len(self.server_state.tasks)
 
     async def shutdown(self, sockets=None):
         for server in self.servers:  # no new connections (uvicorn's shutdown closes them again, harmlessly)

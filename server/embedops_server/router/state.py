@@ -24,6 +24,13 @@ class AppState:
         self.load_error: str | None = None
         self.draining = False
         self.started = time.time()  # the OpenAI model card's `created`
+        # How many HTTP requests the server holds, begun or not (set by router/server.py; None: not known).
+        self.requests_in_flight = None
+
+    def alone(self) -> bool:
+        """Is the request calling this the only one the HTTP server holds? uvicorn makes a request's task when
+        its headers arrive, so requests read in the same pass over the sockets count before they run."""
+        return self.requests_in_flight is None or self.requests_in_flight() <= 1
 
     # ---- helpers used by routes -----------------------------------------------------------
     def svc(self) -> Service:
@@ -104,7 +111,7 @@ class AppState:
         request.scope[INPUTS_KEY] = n
         engine.admit(n)  # raises Overloaded (429 + Retry-After) at once
         try:
-            req = engine.submit(texts, truncate, direction.lower(), need_tokens, outputs)
+            req = engine.submit(texts, truncate, direction.lower(), need_tokens, outputs, alone=self.alone())
             request.scope[ENGINE_REQUEST_KEY] = req
             fut = req.future
             if not fut.done():  # (a lone query run on the event loop is answered already)
