@@ -24,6 +24,9 @@ class Backend:
     # queued or running (a lone query): the two thread hops around a millisecond-long forward cost a large part
     # of it. 0: never (a forward that could block the loop for long, or one that must stay on its own thread).
     inline_tokens = 0
+    # With parallel_forwards > 1: a forward that starts alone runs on every core, and no other starts beside it
+    # until it ends (the cores would be oversubscribed). False: a second forward may join it at once.
+    wide_alone = False
 
     def bucket(self, rows: int, cols: int) -> tuple[int, int]:
         """Padded shape for a batch. CPU: exact. CUDA: a small set of shapes so captured graphs can be reused."""

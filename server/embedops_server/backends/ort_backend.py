@@ -130,6 +130,13 @@ class OrtBackend(Backend):
             self.parallel_forwards = 2
             self.narrow_session = self._session(self.model_path, threads=max(1, threads // 2))
             self.preferred_batch_tokens = self.PARALLEL_BATCH_TOKENS
+            # A float32 forward that started alone (all threads) is not joined by a narrow one: that would be one
+            # more compute thread than cores, and the wide forward's threads meet at a barrier after every
+            # operator. Side by side (docs/bench.md, two runs): float32 c=16 p99 -5 to -12%, c=64 -3 to -18%;
+            # int8 forwards are half as long, and holding the next batch back for one cost c=16 3-7% of its
+            # throughput, so int8 keeps starting a second forward at once. EMBEDOPS_ORT_WIDE_ALONE=1/0 forces it.
+            wide = os.environ.get("EMBEDOPS_ORT_WIDE_ALONE", "")
+            self.wide_alone = wide == "1" if wide in ("0", "1") else self.dtype != "int8"
         self.hidden_size = int(info.config.get("hidden_size") or self.session.get_outputs()[0].shape[-1] or 0)
         self.dense = load_dense(info.dense) if info.dense else []  # sentence-transformers Dense projections
         if self.dense:

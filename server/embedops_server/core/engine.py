@@ -12,7 +12,10 @@ inline in turn, one row per forward for as long as the load lasts.
 
 One inference thread by default. A backend may ask for more (`parallel_forwards`): small CPU models run two
 forwards side by side, each on part of the cores, which beats one forward on all of them (no barrier between
-threads per operator; measured in docs/bench.md).
+threads per operator; measured in docs/bench.md). A forward that starts alone runs on every core, and with
+`wide_alone` no second forward starts beside it until it ends: a narrow forward next to a wide one would put
+more compute threads than cores on the machine, and the wide one's threads wait for each other at every
+operator's barrier while one of them is off its core.
 """
 from __future__ import annotations
 
@@ -146,6 +149,8 @@ class Engine:
         self._forward_s = 0.0  # seconds per forward, exponential moving average (look-ahead linger)
         self._tokenizing = 0  # inputs submitted to the tokenizers and not yet queued (guarded by _cv)
         self.inline_tokens = getattr(backend, "inline_tokens", 0)
+        self.wide_alone = self.workers > 1 and getattr(backend, "wide_alone", False)
+        self._wide = False  # a forward on every core is running: no other starts (guarded by _cv)
         self._inline_s = 0.0  # seconds per forward within inline_tokens, moving average (0: none seen yet)
         self._stop = False
         self._threads = [threading.Thread(target=self._batcher, name="batcher", daemon=True)] + [
@@ -213,6 +218,7 @@ class Engine:
             if self._running or self._slot is not None or len(self.queue) or self._stop:
                 return False
             self._running += 1  # the inference threads leave the engine to us until _forward_done
+            self._wide = self.wide_alone  # its session spins on every core
         prepared = self._prepare(entries, [])
         if prepared is None:  # its requests were failed (logged); the forward never ran
             self._forward_done()
@@ -230,7 +236,7 @@ class Engine:
         while True:
             with cv:
                 while not self._stop and not (
-                        self._running >= self.workers and self._slot is None and len(q)):
+                        (self._running >= self.workers or self._wide) and self._slot is None and len(q)):
                     cv.wait()
                 if self._stop:
                     return
@@ -263,7 +269,7 @@ class Engine:
         cv, q = self._cv, self.queue
         while True:
             with cv:
-                while self._slot is None and not len(q) and not self._stop:
+                while (self._wide or self._slot is None and not len(q)) and not self._stop:
                     cv.wait()
                 if self._stop:
                     return None
@@ -280,6 +286,7 @@ class Engine:
                     entries, dropped = q.form()
                 self._running += 1
                 parallel = self._parallel()
+                self._wide = self.wide_alone and not parallel
                 cv.notify_all()  # the batcher (or an idle inference thread) may start on the next batch now
             if ready is not None:
                 if dropped:
@@ -299,6 +306,7 @@ class Engine:
     def _forward_done(self) -> None:
         with self._cv:
             self._running -= 1
+            self._wide = False  # a wide forward never has another beside it: if one was running, this was it
             self._cv.notify_all()
 
     def _linger(self) -> None:
