@@ -89,6 +89,16 @@ def run_server(wait: bool = True, **kw):
         t.join(20)
 
 
+@pytest.fixture(scope="module")
+def minilm_tokenizer_pool():
+    """The engine's tokenizer pool on MiniLM's tokenizer, one worker (engine tests with stand-in backends)."""
+    from embedops_server.core.tokenization import TokenizerPool
+
+    pool = TokenizerPool(str(minilm_onnx_dir() / "tokenizer.json"), 1)
+    yield pool
+    pool.close()
+
+
 @pytest.fixture(scope="session")
 def minilm_torch():
     with run_server(model_id=str(minilm_dir()), backend="torch", max_client_batch_size=64) as (url, st):

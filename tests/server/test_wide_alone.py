@@ -8,7 +8,6 @@ import threading
 import time
 
 import numpy as np
-import pytest
 
 from embedops_server.core import engine as engine_mod
 from embedops_server.core.engine import BatchOutput
@@ -39,20 +38,10 @@ class RecordingBackend:
         return BatchOutput((batch.input_ids * batch.attention_mask).sum(1, keepdims=True).astype(np.float32))
 
 
-@pytest.fixture(scope="module")
-def tokenizers():
-    from embedops_server.core.tokenization import TokenizerPool
-    from localcluster.models import minilm_onnx_dir
-
-    pool = TokenizerPool(str(minilm_onnx_dir() / "tokenizer.json"), 1)
-    yield pool
-    pool.close()
-
-
-def run_load(tokenizers, wide_alone: bool, texts: list[str], spacing_s: float):
+def run_load(pool, wide_alone: bool, texts: list[str], spacing_s: float):
     """One text per request, submitted `spacing_s` apart on one event loop; returns (answers, forwards)."""
     backend = RecordingBackend(wide_alone)
-    engine = engine_mod.Engine(backend, tokenizers, 128, 16384, 4, 1024, workers=2)
+    engine = engine_mod.Engine(backend, pool, 128, 16384, 4, 1024, workers=2)
 
     async def go():
         reqs = []
@@ -68,7 +57,7 @@ def run_load(tokenizers, wide_alone: bool, texts: list[str], spacing_s: float):
         engine._stop = True
         with engine._cv:
             engine._cv.notify_all()
-    expected = [float(sum(tokenizers.tokenizer.encode(t).ids)) for t in texts]
+    expected = [float(sum(pool.tokenizer.encode(t).ids)) for t in texts]
     assert answers == expected  # every request got its own row's answer
     return backend.forwards
 
@@ -83,12 +72,12 @@ def overlaps_of_wide(forwards) -> int:
     return n
 
 
-def test_no_forward_starts_beside_a_wide_one_and_two_narrow_ones_still_pair(tokenizers):
+def test_no_forward_starts_beside_a_wide_one_and_two_narrow_ones_still_pair(minilm_tokenizer_pool):
     # a trickle (arrivals while a lone forward runs) and then a burst (a queue deeper than one batch)
     trickle = [f"query number {i} about vector search" for i in range(12)]
     burst = [f"passage {i} on batching and backpressure" for i in range(16)]
-    forwards = run_load(tokenizers, True, trickle, RecordingBackend.FORWARD_S / 3)
-    forwards += run_load(tokenizers, True, burst, 0)
+    forwards = run_load(minilm_tokenizer_pool, True, trickle, RecordingBackend.FORWARD_S / 3)
+    forwards += run_load(minilm_tokenizer_pool, True, burst, 0)
     assert overlaps_of_wide(forwards) == 0
     assert any(not p for _, _, p, _ in forwards)  # some forwards ran alone, on every core
     narrow = sorted((s, e) for s, e, p, _ in forwards if p)
@@ -96,11 +85,11 @@ def test_no_forward_starts_beside_a_wide_one_and_two_narrow_ones_still_pair(toke
     assert sum(rows for *_, rows in forwards) == len(trickle) + len(burst)
 
 
-def test_the_switch_lets_a_forward_join_a_wide_one(tokenizers):
+def test_the_switch_lets_a_forward_join_a_wide_one(minilm_tokenizer_pool):
     """EMBEDOPS_ORT_WIDE_ALONE=0's engine side: arrivals while a lone forward runs start beside it at once
     (what the test above would catch)."""
     trickle = [f"query number {i} about vector search" for i in range(12)]
-    forwards = run_load(tokenizers, False, trickle, RecordingBackend.FORWARD_S / 3)
+    forwards = run_load(minilm_tokenizer_pool, False, trickle, RecordingBackend.FORWARD_S / 3)
     assert overlaps_of_wide(forwards) > 0
 
 

@@ -201,7 +201,7 @@ class Engine:
                 self.stats.on_input_length(len(ids))
             if alone and threading.get_ident() == loop_thread and self._run_inline(entries):
                 return
-            self.queue.put_many(entries)
+            self.queue.put_many(entries, self._wake_needed)
 
         self.tokenizers.submit(EncodeJob(texts, truncate, direction, self.max_input_length, tokenized))
         return req
@@ -229,6 +229,13 @@ class Engine:
             log.exception("inference failed")
             self._fail_entries(entries, EngineError(BACKEND, f"inference failed: {e}"))
         return True
+
+    def _wake_needed(self) -> bool:
+        """Caller holds cv, with inputs just queued: can a waiting thread act on them? An idle inference thread
+        can (unless a wide forward holds every core); the batcher can while the look-ahead slot is empty. With
+        every forward running and the slot full, the arrivals join that batch when it is picked up (top_up):
+        waking the threads only to find that costs a thread switch per request."""
+        return self._slot is None or (not self._wide and self._running < self.workers)
 
     # ---- batcher thread ----------------------------------------------------------------------
     def _batcher(self) -> None:

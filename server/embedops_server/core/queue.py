@@ -10,7 +10,7 @@ import bisect
 import itertools
 import threading
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 # Below this padded size a batch is dominated by fixed per-forward overhead, so padding waste is irrelevant.
 SMALL_BATCH_TOKENS = 512
@@ -48,13 +48,16 @@ class BatchQueue:
     def __len__(self) -> int:
         return len(self._by_len)
 
-    def put_many(self, entries: list[Entry]) -> None:
+    def put_many(self, entries: list[Entry], wake: Callable[[], bool] | None = None) -> None:
+        """Queue `entries`; wake the threads waiting on `cv` unless `wake` (called under `cv`) says none of
+        them can act on the new entries (each wake-up is a thread switch and a turn of the GIL)."""
         with self.cv:
             for e in entries:
                 e.seq = next(self._count)
                 self._fifo.append(e)
                 bisect.insort(self._by_len, (e.length, e.seq, e))
-            self.cv.notify_all()
+            if wake is None or wake():
+                self.cv.notify_all()
 
     def next_batch(self, timeout: float | None = None) -> tuple[list[Entry], list[Entry]]:
         """Block until work is queued; return (batch, dropped) where dropped are cancelled entries skipped."""
