@@ -170,6 +170,8 @@ class Runner:
             f"p99={p('p99_ms'):.1f}ms req/s={p('req_s'):.1f} texts/s={p('texts_s'):.1f} "
             f"tok/s={p('tokens_s'):.0f} err={row.get('errors', 0)}"
             + (f" batch={row['avg_batch']:.1f}" if "avg_batch" in row else "")
+            + (f" cpu/req={row['server_cpu_ms']:.2f}ms+client {row['client_cpu_ms']:.2f}ms"
+               if "server_cpu_ms" in row else "")
             + (" srv=" + ",".join(f"{k}:{v:.1f}" for k, v in row["server_p50_ms"].items())
                if row.get("server_p50_ms") else "")
             + (f" [{row['config']}]" if row.get("config") else ""))
@@ -177,18 +179,23 @@ class Runner:
     def http(self, scenario: str, key: str, t, reqs: list[Request], concurrency: int, *,
              url: str, check, duration_s: float, max_requests: int, warmup: int | None = None):
         before = report.batch_counters(t.server.get("/metrics")) if key.startswith(("embedops", "tei")) else None
+        warmup = concurrency if warmup is None else warmup
+        server_cpu, client_cpu = t.server.cpu_s(), time.process_time()
         samples, wall = run_load_sync(url, reqs, concurrency=concurrency, max_requests=max_requests,
-                                      duration_s=duration_s, check=check,
-                                      warmup=concurrency if warmup is None else warmup,
+                                      duration_s=duration_s, check=check, warmup=warmup,
                                       request_timeout_s=120, drain_s=120)
+        server_cpu, client_cpu = t.server.cpu_s() - server_cpu, time.process_time() - client_cpu
         st = summarize(samples, wall)
         extra = {}
+        sent = len(samples) + warmup
+        if sent and server_cpu > 0:  # CPU per request, warm-up included: what each side spends on one answer
+            extra = {"server_cpu_ms": server_cpu * 1000 / sent, "client_cpu_ms": client_cpu * 1000 / sent}
         if before is not None:  # the server's own view: inputs and real tokens per formed batch
             after = report.batch_counters(t.server.get("/metrics"))
             if after and before and after["batches"] > before["batches"]:
                 nb = after["batches"] - before["batches"]
-                extra = {"avg_batch": (after["inputs"] - before["inputs"]) / nb,
-                         "avg_batch_tokens": (after["tokens"] - before["tokens"]) / nb}
+                extra.update(avg_batch=(after["inputs"] - before["inputs"]) / nb,
+                             avg_batch_tokens=(after["tokens"] - before["tokens"]) / nb)
         self.add(scenario, key, "http", concurrency, st.as_dict(), **extra)
         self.record_rss(t, key)
         return st

@@ -43,6 +43,25 @@ def tree_kb(pid: int, key: str) -> int:
     return sum(proc_status_kb(p, key) for p in _tree(pid))
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) the process and its live children have used so far."""
+    try:
+        import psutil
+
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except Exception:  # gone, or no psutil: no figure rather than a wrong one
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:  # a child gone meanwhile
+            pass
+    return total
+
+
 class Server:
     """A server subprocess. ``health`` is a path polled until it answers 200."""
 
@@ -97,6 +116,9 @@ class Server:
             if self.proc is None or self.proc.poll() is not None:
                 return
             self._peak_rss_kb = max(self._peak_rss_kb, tree_kb(self.proc.pid, "VmRSS"))
+
+    def cpu_s(self) -> float:
+        return tree_cpu_s(self.proc.pid) if self.proc else 0.0
 
     def rss_mb(self) -> float:
         return tree_kb(self.proc.pid, "VmRSS") / 1024 if self.proc else 0.0

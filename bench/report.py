@@ -107,6 +107,8 @@ def table(res: dict) -> str:
         note = r.get("batch", "") or (f"avg batch {r['avg_batch']:.1f}" if r.get("avg_batch") else "")
         if r.get("config"):
             note += f" [{r['config']}]"
+        if r.get("server_cpu_ms"):  # CPU per request: the server's (every thread) and the load generator's
+            note += f" | cpu/req server {r['server_cpu_ms']:.2f} client {r['client_cpu_ms']:.2f} ms"
         sp = r.get("server_p50_ms") or {}
         if sp:
             note += (" | server p50: total {:.1f} tok {:.1f} queue {:.1f} infer {:.1f}".format(
@@ -303,13 +305,15 @@ def median_rows(rows: list[dict]) -> list[dict]:
 
 def tei_ratio_lines(res: dict) -> list[str]:
     """embedops against TEI per scenario (>1 = embedops better): the scenario's figure, and p99 for HTTP
-    rows; float32 embedops against ``tei`` and ``tei-candle``, int8 against ``tei+int8``."""
+    rows; float32 embedops against ``tei`` and ``tei-candle``, int8 against ``tei+int8``; and the CPU each
+    server spent per request (ms, every thread; on a machine with as many cores as the load needs, throughput
+    is cores / (server + client CPU per request))."""
     idx = index(res)
     if not any(is_tei(t) for _, t in idx):
         return []
     out = ["", "embedops vs TEI (>1 = embedops better; throughput a/b, latency b/a; same graph: int8 vs tei+int8)",
            f"{'scenario':<10} {'target':<28} {'metric':<9} {'value':>9} {'TEI':>9} {'/tei':>6} "
-           f"{'p99/tei':>8} {'/candle':>8}"]
+           f"{'p99/tei':>8} {'/candle':>8} {'cpu/req':>8} {'TEI cpu':>8}"]
     out.append("-" * len(out[-1]))
     for s in sorted({s for s, _ in idx}, key=_scen_key):
         m, better = metric_for(s)
@@ -326,5 +330,6 @@ def tei_ratio_lines(res: dict) -> list[str]:
             out.append(f"{s:<10} {e:<28} {m:<9} {_f(er.get(m)):>9} {_f(v(peer)):>9} "
                        f"{_f(_ratio(er.get(m), v(peer), better), '{:.2f}'):>6} "
                        f"{_f(_ratio(er.get('p99_ms'), v(peer, 'p99_ms'), 'lower'), '{:.2f}'):>8} "
-                       f"{_f(_ratio(er.get(m), v(cand), better), '{:.2f}'):>8}")
+                       f"{_f(_ratio(er.get(m), v(cand), better), '{:.2f}'):>8} "
+                       f"{_f(er.get('server_cpu_ms'), '{:.2f}'):>8} {_f(v(peer, 'server_cpu_ms'), '{:.2f}'):>8}")
     return out

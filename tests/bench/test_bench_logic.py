@@ -7,6 +7,7 @@ import json
 import math
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -236,3 +237,27 @@ def test_server_timing_parsed_and_tail_broken_down_by_stage():
     res = {"rows": [{"scenario": "2-c16", "target": "embedops-onnx", "concurrency": 16, **st.as_dict()}]}
     text = "\n".join(report.tail_lines(res))
     assert "p99+" in text and "100.00" in text
+
+
+def test_tree_cpu_counts_the_children_of_a_server():
+    """The bench's CPU per request reads the server's whole process tree (TEI's launcher script runs the binary
+    as a child): a child burning CPU shows up, one sleeping does not."""
+    import subprocess
+    import sys
+
+    from bench.procs import tree_cpu_s
+
+    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
+            "'import time; t = time.process_time()\\nwhile time.process_time() - t < 0.4: pass']); "
+            "c.wait(); time.sleep(5)")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 10
+        used = 0.0
+        while time.monotonic() < deadline and used < 0.3:
+            used = max(used, tree_cpu_s(parent.pid))
+            time.sleep(0.05)
+        assert used >= 0.3  # the child's busy loop, seen through the parent
+    finally:
+        parent.kill()
+        parent.wait()

@@ -159,19 +159,21 @@ def test_ratio_lines():
         {"scenario": "1-online", "target": "tei", "kind": "http", "ok": 9, "p50_ms": 4.0, "p99_ms": 6.0},
         {"scenario": "1-online", "target": "tei-candle", "kind": "http", "ok": 9, "p50_ms": 10.0, "p99_ms": 12.0},
         {"scenario": "2-c16", "target": "embedops-onnx+quantize=int8", "kind": "http", "ok": 9, "texts_s": 400.0,
-         "p99_ms": 50.0},
-        {"scenario": "2-c16", "target": "tei+int8", "kind": "http", "ok": 9, "texts_s": 200.0, "p99_ms": 100.0},
+         "p99_ms": 50.0, "server_cpu_ms": 1.5, "client_cpu_ms": 0.4},
+        {"scenario": "2-c16", "target": "tei+int8", "kind": "http", "ok": 9, "texts_s": 200.0, "p99_ms": 100.0,
+         "server_cpu_ms": 2.0, "client_cpu_ms": 0.4},
         {"scenario": "4-rerank", "target": "embedops-onnx", "kind": "http", "ok": 1, "p50_ms": 100.0},
         {"scenario": "4-rerank", "target": "tei+int8", "kind": "http", "na": "x"},
     ]
     lines = report.tei_ratio_lines({"rows": rows})
     one = next(x for x in lines if x.startswith("1-online"))
-    assert one.split()[-3:] == ["0.80", "0.75", "2.00"]
+    assert one.split()[-5:] == ["0.80", "0.75", "2.00", "-", "-"]  # no CPU figures measured: dashes
     two = next(x for x in lines if x.startswith("2-c16"))
-    assert two.split()[-3:] == ["2.00", "2.00", "-"]
+    assert two.split()[-5:] == ["2.00", "2.00", "-", "1.50", "2.00"]  # and the CPU per request of each
     assert not any(x.startswith("4-rerank") for x in lines)
     assert report.tei_ratio_lines({"rows": rows[:1]}) == []
-    assert "embedops vs TEI" in report.table({"rows": rows, "meta": {}})
+    table = report.table({"rows": rows, "meta": {}})
+    assert "embedops vs TEI" in table and "cpu/req server 1.50 client 0.40 ms" in table
     assert json.dumps(lines)
 
 
