@@ -369,6 +369,19 @@ def _assert_no_writes(ctx, name: str, action, attempts: int = 3) -> None:
     pytest.fail(f"pods kept changing for {attempts} windows; could not check that the operator writes nothing")
 
 
+# managers of the controllers that run in the test cluster beside the operator and write to its children
+CLUSTER_CONTROLLERS = frozenset({"keda-operator", "kube-controller-manager"})
+
+
+def _written_only_by_cluster_controllers(before: dict, after: dict) -> bool:
+    """Whether every managedFields entry that differs between two reads of an object belongs to one of the
+    cluster's own controllers. A change that shows in no entry is not explained, so it counts as the operator's."""
+    def entries(obj: dict) -> set[tuple[str, str]]:
+        return {(e["manager"], json.dumps(e, sort_keys=True)) for e in obj["metadata"].get("managedFields") or []}
+    differing = entries(before) ^ entries(after)
+    return bool(differing) and all(manager in CLUSTER_CONTROLLERS for manager, _ in differing)
+
+
 def test_operator_restart_and_resync_cause_no_writes(ctx, operator):
     ctx.wait_condition("minilm", "Ready", "True")
     time.sleep(3)  # let the last status write and pod updates settle
@@ -488,9 +501,12 @@ def test_missing_optional_crds_give_conditions_then_are_picked_up(ctx, operator)
         for k in changed:  # who wrote what (managedFields, uid), so a rare failure is explained by its log alone
             print(f"{k} changed in window {attempt + 1}:\n before: {json.dumps(before[k]['metadata'], sort_keys=True)}"
                   f"\n after: {json.dumps(after[k]['metadata'], sort_keys=True)}")
-        # a child deleted by someone else and created again by the operator (a new uid) means the window was not
-        # quiet, as in _assert_no_writes; the operator rewriting a child it already has is the failure
-        rewritten = [k for k in changed if before[k]["metadata"]["uid"] == after[k]["metadata"]["uid"]]
+        # the window was not quiet, as in _assert_no_writes, when a child was deleted by someone else and created
+        # again by the operator (a new uid), or when only the cluster's own controllers wrote (KEDA adds its
+        # finalizer and label to a new ScaledObject seconds after the operator creates it: seen on a slow machine);
+        # any other write to a child the operator already has is the failure
+        rewritten = [k for k in changed if before[k]["metadata"]["uid"] == after[k]["metadata"]["uid"]
+                     and not _written_only_by_cluster_controllers(before[k], after[k])]
         assert not rewritten, f"written on a resync: {rewritten}"
     else:
         pytest.fail("children kept being deleted and recreated for 3 windows: could not check that resyncs write nothing")
