@@ -509,7 +509,8 @@ def test_missing_optional_crds_give_conditions_then_are_picked_up(ctx, operator)
                      and not _written_only_by_cluster_controllers(before[k], after[k])]
         assert not rewritten, f"written on a resync: {rewritten}"
     else:
-        pytest.fail("children kept being deleted and recreated for 3 windows: could not check that resyncs write nothing")
+        pytest.fail("children kept being recreated or written by the cluster's controllers for 3 windows: could not "
+                    "check that resyncs write nothing")
 
 
 def test_litellm_entry_follows_its_config_map_and_is_swept_after_operator_downtime(ctx, operator):
