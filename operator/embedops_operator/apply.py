@@ -1,9 +1,18 @@
-"""Server-side apply of rendered children, with no write when nothing changed.
+"""Server-side apply of rendered children, with no write when nothing changed, and never onto an object the
+operator did not create.
 
 One field manager (`embedops`) for everything the operator owns. Before applying, the live object is
 read: when it already carries the desired content hash and contains every desired field, nothing is sent.
 Otherwise a server-side dry-run apply tells whether the real apply would change anything; only then is the
 object written. A resync therefore never bumps a child's resourceVersion.
+
+Ownership: a child is written only when no object of its name exists, or when the one that exists has the
+EmbeddingService as its controller (the LiteLLM ConfigMap, shared by design: when it carries the opt-in label
+`embedops.dev/litellm=true`). Anything else is a `Conflict`: left byte for byte as it is, reported in the
+status, never pruned. The watch caches hold only objects labelled as the operator's, so "absent from the
+cache" is confirmed by a read from the API server before anything is created, and the create itself is not
+forced, so an object someone else creates in the moment between that read and the write conflicts (409)
+instead of being taken over (controller-runtime's `AlreadyOwnedError`, Crossplane's `MustBeControllableBy`).
 """
 from __future__ import annotations
 
@@ -14,6 +23,7 @@ import re
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 from kubernetes import client as k8s
@@ -256,6 +266,15 @@ class Kube:
                 return None
             raise
 
+    def get_from_server(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        """The object as the API server has it (the same as `get` here; `CachedKube` bypasses its caches)."""
+        return self.get(api_version, kind, namespace, name)
+
+    def get_any(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        """The object of that name whatever its labels (the same as `get` here; `CachedKube` asks the API
+        server when its label-filtered cache has none)."""
+        return self.get(api_version, kind, namespace, name)
+
     def list(self, api_version: str, kind: str, namespace: str | None, selector: str | None = None) -> list[dict]:
         query = [("labelSelector", selector)] if selector else []
         return self.request("GET", self.path(api_version, kind, namespace), query=query).get("items", [])
@@ -456,9 +475,84 @@ def hand_over_replicas(kube: Kube, desired: dict, live: dict | None, floor: int 
     return True
 
 
-def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> list[str]:
-    """Apply each manifest that differs from the cluster; returns 'Kind/name' of those written."""
-    written = []
+@dataclass(frozen=True)
+class Conflict:
+    """A child the operator would write whose name is taken by an object it did not create."""
+    kind: str
+    name: str
+    why: str
+
+    def message(self) -> str:
+        return f"{self.kind} {self.name} {self.why}"
+
+
+@dataclass
+class Applied:
+    written: list[str] = field(default_factory=list)  # 'Kind/name' of what was written
+    conflicts: list[Conflict] = field(default_factory=list)  # children left alone: not the operator's
+
+
+def controller_of(obj: dict) -> dict | None:
+    """The ownerReference marked `controller: true` (at most one, by the API's validation)."""
+    return next((r for r in (obj.get("metadata") or {}).get("ownerReferences") or [] if r.get("controller")), None)
+
+
+def ownership_conflict(desired: dict, live: dict | None) -> Conflict | None:
+    """Why the operator may not write `desired` over `live`, or None when it may: nothing of that name exists,
+    or what exists has the controller the operator renders (this EmbeddingService, by uid). The LiteLLM
+    ConfigMap has no controller (it is shared, maybe the platform team's): it may be written when it carries
+    the label `embedops.dev/litellm=true`, which the operator sets on the ConfigMaps it creates and a team sets
+    on its own to opt it in."""
+    if live is None:
+        return None
+    kind, name = desired["kind"], desired["metadata"]["name"]
+    if kind == "ConfigMap":
+        if ((live.get("metadata") or {}).get("labels") or {}).get(render.LABEL_LITELLM) == "true":
+            return None
+        return Conflict(kind, name, f"exists without the label {render.LABEL_LITELLM}=true: the operator writes "
+                                    "LiteLLM entries only into a ConfigMap it created or one labelled so")
+    want, have = controller_of(desired), controller_of(live)
+    if want is not None and have is not None and have.get("uid") == want.get("uid"):
+        return None
+    if have is None:
+        return Conflict(kind, name, "exists and was not created by this EmbeddingService (it has no controller "
+                                    "reference): the operator never takes over or deletes an object it did not "
+                                    "create; delete or rename that object, or give the EmbeddingService another name")
+    same = want is not None and have.get("kind") == want.get("kind") and have.get("name") == want.get("name")
+    owner = f"{have.get('kind')} {have.get('name')}" + (f" (uid {have.get('uid')}, a deleted one of the same "
+                                                       "name: the garbage collector removes it)" if same else "")
+    return Conflict(kind, name, f"is controlled by {owner}, not by this EmbeddingService")
+
+
+def read_for_write(kube: Kube, desired: dict) -> dict | None:
+    """The live object of `desired`'s name, whoever created it. The watch caches hold only the operator's
+    labelled objects, so a miss there is asked again of the API server: a foreign object of the same name
+    (no labels) must be seen before anything is created."""
+    meta = desired["metadata"]
+    return kube.get_any(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+
+
+def create(kube: Kube, desired: dict, manager: str) -> tuple[dict | None, Conflict | None]:
+    """Server-side apply of an object the API server just said was absent, not forced: an object of that name
+    created by someone else since then makes the apply conflict (409) on the fields both set, and is then
+    judged like any other live object instead of being taken over."""
+    try:
+        return kube.apply(desired, manager=manager, force=False), None
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+    live = kube.get_from_server(desired["apiVersion"], desired["kind"], desired["metadata"]["namespace"],
+                                desired["metadata"]["name"])
+    conflict = ownership_conflict(desired, live)
+    if conflict is None:  # ours after all (our own earlier write): a plain apply settles it
+        return kube.apply(desired, manager=manager), None
+    return None, conflict
+
+
+def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> Applied:
+    """Apply each manifest that differs from the cluster and belongs to the operator; the others are returned
+    as conflicts, untouched."""
+    out = Applied()
     manifests = list(manifests)
     hpa_floor = next((m["spec"].get("minReplicas", 1) for m in manifests if m["kind"] == "HorizontalPodAutoscaler"),
                      None)
@@ -467,28 +561,40 @@ def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> list[
         # each other's keys.
         manager = litellm.manager(service_name) if obj["kind"] == "ConfigMap" else render.MANAGER
         meta = obj["metadata"]
-        live = kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        if hand_over_replicas(kube, obj, live, floor=hpa_floor):
-            written.append(f"{obj['kind']}/{meta['name']} (replicas handed to the autoscaler)")
-        wrote = live is None or needs_write(kube, obj, manager=manager, live=live)
-        if wrote:
-            try:
-                live = kube.apply(obj, manager=manager)
-            except ApiException as exc:
-                exc.failed_object = obj  # the reconciler names what failed (a CRD removed since discovery)
-                raise
-            written.append(f"{obj['kind']}/{meta['name']}")
+        try:
+            live = read_for_write(kube, obj)
+            conflict = ownership_conflict(obj, live)
+            if conflict is not None:
+                out.conflicts.append(conflict)
+                continue
+            if hand_over_replicas(kube, obj, live, floor=hpa_floor):
+                out.written.append(f"{obj['kind']}/{meta['name']} (replicas handed to the autoscaler)")
+            wrote = live is None or needs_write(kube, obj, manager=manager, live=live)
+            if wrote:
+                if live is None:
+                    live, conflict = create(kube, obj, manager)
+                    if conflict is not None:
+                        out.conflicts.append(conflict)
+                        continue
+                else:
+                    live = kube.apply(obj, manager=manager)
+                out.written.append(f"{obj['kind']}/{meta['name']}")
+        except ApiException as exc:
+            exc.failed_object = obj  # the reconciler names what failed (a CRD removed since discovery)
+            raise
         if obj["kind"] == "ConfigMap":  # a LiteLLM entry: the ConfigMap's index, then its proxies' restart
             indexed = litellm.sync_index(kube, live)
             if indexed is not None:
-                written.append(f"ConfigMap/{meta['name']} (LiteLLM index)")
+                out.written.append(f"ConfigMap/{meta['name']} (LiteLLM index)")
             if wrote or indexed is not None:
-                written += litellm.restart_consumers(kube, indexed or live)
-    return written
+                out.written += litellm.restart_consumers(kube, indexed or live)
+    return out
 
 
 def prune(kube: Kube, resource: dict, desired: list[dict], capabilities: frozenset) -> list[str]:
-    """Delete children this EmbeddingService owns that are no longer rendered (e.g. HPA → ScaledObject)."""
+    """Delete children this EmbeddingService controls that are no longer rendered (e.g. HPA → ScaledObject).
+    Only objects whose controller reference is this EmbeddingService (by uid) are candidates, whatever their
+    labels say; the delete carries the object's uid as a precondition."""
     meta = resource["metadata"]
     uid, ns, name = meta.get("uid"), meta["namespace"], meta["name"]
     keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
@@ -505,8 +611,8 @@ def prune(kube: Kube, resource: dict, desired: list[dict], capabilities: frozens
             raise
         for item in items:
             im = item["metadata"]
-            owned = any(ref.get("uid") == uid for ref in im.get("ownerReferences") or [])
-            if owned and (kind, im["name"]) not in keep:
+            owned = (controller_of(item) or {}).get("uid") == uid
+            if uid and owned and (kind, im["name"]) not in keep:
                 kube.delete(api_version, kind, ns, im["name"], uid=im.get("uid"))
                 deleted.append(f"{kind}/{im['name']}")
     return deleted

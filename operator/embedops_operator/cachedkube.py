@@ -47,6 +47,18 @@ class CachedKube:
                 return copy.deepcopy(obj)  # callers may edit what they get
         return None
 
+    def get_from_server(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        return self.kube.get(api_version, kind, namespace, name)
+
+    def get_any(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        """The object of that name whatever its labels. The informers hold only objects labelled as the
+        operator's, so a miss in a synced cache is asked of the API server: an object someone else created
+        under that name has no such labels, and must be seen before the operator creates its own."""
+        if self._synced(api_version, kind, namespace) is None:
+            return self.kube.get(api_version, kind, namespace, name)
+        obj = self.get(api_version, kind, namespace, name)
+        return obj if obj is not None else self.kube.get(api_version, kind, namespace, name)
+
     def list(self, api_version: str, kind: str, namespace: str | None, selector: str | None = None) -> list[dict]:
         informers = self._synced(api_version, kind, namespace)
         if informers is None:

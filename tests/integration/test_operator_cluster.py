@@ -516,9 +516,11 @@ def test_missing_optional_crds_give_conditions_then_are_picked_up(ctx, operator)
 def test_litellm_entry_follows_its_config_map_and_is_swept_after_operator_downtime(ctx, operator):
     """No owner reference on the shared ConfigMap, so the operator removes entries itself: when
     litellm.configMapName changes, and for a service deleted while the operator was down (startup sweep).
-    A key the user wrote into the same ConfigMap is never touched."""
-    ctx.kube.apply([{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "litellm-a", "namespace": NS},
-                     "data": {"user.yaml": "model_list: []\n"}}], namespace=NS)
+    A key the user wrote into the same ConfigMap (labelled to opt in) is never touched."""
+    # the platform team's own ConfigMap, opted in to embedops' entries by its label
+    ctx.kube.apply([{"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
+        "name": "litellm-a", "namespace": NS, "labels": {"embedops.dev/litellm": "true"}},
+        "data": {"user.yaml": "model_list: []\n"}}], namespace=NS)
     data = lambda cm: ctx.core.read_namespaced_config_map(cm, NS).data or {}  # noqa: E731
     spec = json.loads(json.dumps(CPU_SPEC))
     spec["replicas"] = 0
@@ -554,6 +556,115 @@ def test_litellm_entry_follows_its_config_map_and_is_swept_after_operator_downti
 def included(data: dict) -> list | None:
     """The entry files the ConfigMap's LiteLLM index includes (None: no index)."""
     return yaml.safe_load(data["embedops.yaml"])["include"] if "embedops.yaml" in data else None
+
+
+# ---------------------------------------------------------------------------------------------------- ownership
+
+def _foreign_objects() -> list[dict]:
+    """Objects a team created itself, under the names the operator's children of `own`, `own-hpa` and `own-zero`
+    would take: one of every kind the operator writes (the scaled-to-zero service's activator Deployment and
+    backend Service among them)."""
+    labels = {"app": "theirs"}
+    meta = lambda name: {"name": name, "namespace": NS, "labels": labels}  # noqa: E731
+    template = {"metadata": {"labels": labels}, "spec": {"containers": [{"name": "web", "image": "web:1"}]}}
+    return [
+        {"apiVersion": "v1", "kind": "Service", "metadata": meta("own"),
+         "spec": {"selector": labels, "ports": [{"port": 80, "targetPort": 8080}]}},
+        {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta("own"),
+         "spec": {"minAvailable": 1, "selector": {"matchLabels": labels}}},
+        {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": meta("own"),
+         "spec": {"selector": {"matchLabels": labels}, "endpoints": [{"port": "web"}]}},
+        {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": meta("own"),
+         "spec": {"parentRefs": [{"name": "their-gateway"}], "rules": [{"backendRefs": [{"name": "web", "port": 80}]}]}},
+        {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": meta("own"),
+         "spec": {"scaleTargetRef": {"name": "web"}, "triggers": [{"type": "cpu", "metadata": {"value": "50"}}]}},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta("their-litellm"),
+         "data": {"config.yaml": "model_list: []\n"}},
+        {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": meta("own-hpa"),
+         "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "web"},
+                  "minReplicas": 1, "maxReplicas": 2}},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta("own-zero-activator"),
+         "spec": {"replicas": 0, "selector": {"matchLabels": labels}, "template": template}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": meta("own-zero-backend"),
+         "spec": {"selector": labels, "ports": [{"port": 80, "targetPort": 8080}]}},
+    ]
+
+
+def _read(ctx, obj: dict) -> dict | None:
+    """The object as the API server has it, whole (metadata.managedFields and resourceVersion included)."""
+    from embedops_operator.apply import Kube
+
+    return Kube(ctx.api).get(obj["apiVersion"], obj["kind"], NS, obj["metadata"]["name"])
+
+
+def test_objects_the_operator_did_not_create_are_never_taken_over_or_deleted(ctx, operator):
+    """Issue 35's first point, on the real API server and garbage collector: a team's own objects of every kind
+    the operator writes, under the names its children would take. The operator writes none of them (each reads
+    back byte for byte as before, resourceVersion and managedFields included), says Stalled/OwnershipConflict
+    naming each, and deleting the EmbeddingServices leaves them all in place while the garbage collector removes
+    what the operator did create."""
+    ctx.kube.install_crds(OPTIONAL)
+    foreign = _foreign_objects()
+    ctx.kube.apply(foreign, namespace=NS)
+    before = {(o["kind"], o["metadata"]["name"]): _read(ctx, o) for o in foreign}
+    assert all(before.values())
+    base = json.loads(json.dumps(CPU_SPEC))
+    base["model"].pop("maxInputLength")
+    own = {**base, "replicas": 2, "gateway": {"parentRefs": [{"name": "ai-gateway"}]},
+           "autoscaling": {"minReplicas": 2, "maxReplicas": 3, "provider": "keda"},
+           "litellm": {"configMapName": "their-litellm"}}
+    own_hpa = {**base, "autoscaling": {"minReplicas": 1, "maxReplicas": 2, "provider": "hpa"}}
+    own_hpa.pop("litellm")
+    own_zero = {**base, "autoscaling": {"minReplicas": 0, "maxReplicas": 1, "provider": "keda"}}
+    own_zero.pop("litellm")
+    expected = {"own": ["Service own", "PodDisruptionBudget own", "ServiceMonitor own", "HTTPRoute own",
+                        "ScaledObject own", "ConfigMap their-litellm"],
+                "own-hpa": ["HorizontalPodAutoscaler own-hpa"],
+                "own-zero": ["Deployment own-zero-activator", "Service own-zero-backend"]}
+    try:
+        for name, spec in (("own", own), ("own-hpa", own_hpa), ("own-zero", own_zero)):
+            ctx.apply_es(name, spec)
+        for name, conflicts in expected.items():
+            es = ctx.wait_condition(name, "Stalled", "True", "OwnershipConflict", timeout=60)
+            msg = {c["type"]: c for c in es["status"]["conditions"]}["Stalled"]["message"]
+            assert [part.split(" exists")[0].split(" is controlled")[0] for part in msg.split("; ")] == conflicts, msg
+            assert kstatus_of(es) in ("Failed", None)
+        # what does not conflict is created and owned as usual
+        for name in expected:
+            wait_for(f"Deployment {name}", lambda n=name: ctx.apps.list_namespaced_deployment(
+                NS, field_selector=f"metadata.name={n}").items, 30)
+        time.sleep(5)  # retries with their back-off, resyncs: still nothing written
+        after = {key: _read(ctx, o) for key, o in zip(before, foreign)}
+        changed = [k for k in before if after[k] != before[k]]
+        assert not changed, {k: (before[k]["metadata"], after[k]["metadata"]) for k in changed}
+    finally:
+        for name in expected:
+            ctx.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name)
+    wait_for("the operator's own Deployments garbage-collected", lambda: not [
+        d for d in ctx.apps.list_namespaced_deployment(NS).items if d.metadata.name in expected], 90)
+    after = {key: _read(ctx, o) for key, o in zip(before, foreign)}
+    assert after == before, [k for k in before if after[k] != before[k]]
+    assert ctx.operator.alive()
+
+
+def test_a_conflict_clears_once_the_foreign_object_is_gone(ctx, operator):
+    """No event reaches the operator when a team deletes its own object (the caches hold only the operator's): the
+    service is retried with its back-off and takes the name once it is free."""
+    svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "late", "namespace": NS},
+           "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 80}]}}
+    ctx.kube.apply([svc], namespace=NS)
+    spec = json.loads(json.dumps(CPU_SPEC))
+    spec.pop("litellm")
+    ctx.apply_es("late", spec)
+    ctx.wait_condition("late", "Stalled", "True", "OwnershipConflict", timeout=60)
+    time.sleep(4)  # a few retries have passed; the back-off grows
+    ctx.core.delete_namespaced_service("late", NS)
+    started = time.monotonic()
+    es = ctx.wait_condition("late", "Ready", "True", timeout=90)
+    print(f"conflict cleared {time.monotonic() - started:.1f} s after the foreign Service was deleted")
+    refs = ctx.core.read_namespaced_service("late", NS).metadata.owner_references
+    assert refs[0].uid == es["metadata"]["uid"] and refs[0].controller
+    ctx.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "late")
 
 
 def test_delete_cascades(ctx, operator):
