@@ -88,6 +88,7 @@ class Controller:
         # changes that arrive while a service is reconciled are merged for COALESCE_SECONDS: a burst of spec
         # edits writes its Deployment a few times, not once per edit
         self.queue = WorkQueue(coalesce=COALESCE_SECONDS)
+        self.reconciler.requeue = lambda key: self.queue.add(key, True)  # services waiting for an upgrade slot
         self.workers = workers
         self.tombstones: dict[tuple[str, str], dict] = {}  # deleted EmbeddingServices not yet forgotten
         # the API server's availability, from every request (apply.ApiHealth); when it answers again after

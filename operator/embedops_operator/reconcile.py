@@ -11,11 +11,12 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
-from . import apply, litellm, memory, render, status
+from . import apply, litellm, memory, render, status, upgrades
 from .spec import API_VERSION, KIND, parse as parse_resource
 
 log = logging.getLogger("embedops.reconcile")
@@ -52,7 +53,13 @@ class Reconciler:
         self._locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
         self._guard = threading.Lock()
         self._timers: dict[tuple[str, str], tuple[float, threading.Timer]] = {}
-        self.unfinished: set[tuple[str, str]] = set()  # services whose last apply stopped at an API error
+        # services whose last apply stopped at an API error or left a child in conflict: retried with a back-off
+        self.unfinished: set[tuple[str, str]] = set()
+        # pod upgrades the operator started (Options.pod_upgrades "Roll"), until the service is Ready again, and
+        # the services waiting for one of those slots
+        self.upgrading: dict[tuple[str, str], float] = {}
+        self.awaiting_upgrade: set[tuple[str, str]] = set()
+        self.requeue: Callable[[tuple[str, str]], None] | None = None  # the controller's queue, when there is one
 
     def _lock(self, key: tuple[str, str]) -> threading.Lock:
         with self._guard:
@@ -73,7 +80,8 @@ class Reconciler:
             observed = status.Observed()
             manifests: list[dict] | None = None
             try:
-                manifests = render.render(resource, options)
+                pins = self.pins((namespace, name), resource, options, observed)
+                manifests = render.render(resource, options, pins)
             except ValidationError as exc:
                 observed.invalid = "; ".join(
                     f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
@@ -86,7 +94,16 @@ class Reconciler:
                 observed.missing = render.missing_capabilities(resource, options)
                 if apply_children:
                     try:
-                        written = apply.apply_all(self.kube, manifests, name)
+                        applied = apply.apply_all(self.kube, manifests, name)
+                        written = applied.written
+                        observed.conflicts = [c.message() for c in applied.conflicts]
+                        if applied.conflicts:
+                            # no event comes when the user removes a foreign object (the caches hold only the
+                            # operator's): retried with the key's back-off (up to a minute), one read each
+                            log.warning("%s/%s: not written, not the operator's: %s", namespace, name,
+                                        "; ".join(observed.conflicts))
+                            with self._guard:
+                                self.unfinished.add((namespace, name))
                         pruned = apply.prune(self.kube, resource, manifests, options.capabilities)
                         # a changed or dropped litellm.configMapName leaves a key in the old ConfigMap; only a
                         # spec change can do that, so pod and status events skip this LIST
@@ -123,10 +140,89 @@ class Reconciler:
                 observed.activator = self.kube.get("apps/v1", "Deployment", namespace, render.activator_name(name))
             observed.pods = self.kube.list("v1", "Pod", namespace, render.selector_string(name))
             written = self.write_status(resource, observed, options)
+            self._release_upgrade((namespace, name), written or resource.get("status") or {})
             wait = status.stall_check_in(observed.pods, dt.datetime.now(dt.timezone.utc), self.settings.stall_after)
             if wait is not None:
                 self._recheck((namespace, name), wait + RECHECK_MARGIN)
             return written
+
+    # ------------------------------------------------------------------ pod templates across operator upgrades
+    def pins(self, key: tuple[str, str], resource: dict, options: render.Options,
+             observed: status.Observed) -> render.Pins:
+        """What the service's Deployments are rendered with besides the spec (upgrades.py): a running Deployment
+        keeps the template revision and image it was written with until its spec changes the template, or until
+        the operator rolls it (pod upgrades "Roll": at most `max_concurrent_upgrades` services at a time)."""
+        spec = parse_resource(resource).spec
+        ns, name = key
+        owner = render.owner_reference(resource)
+        server = self._choose(key, options, self._own_deployment(resource, name),
+                              lambda pin: render.deployment(name, ns, spec, options, owner, pin), observed, "server")
+        activator = render.Pin()
+        if render.scales_to_zero(spec, options):
+            activator = self._choose(key, options, self._own_deployment(resource, render.activator_name(name)),
+                                     lambda pin: render.activator_deployment(name, ns, spec, options, owner, pin),
+                                     observed, "activator")
+        return render.Pins(server, activator)
+
+    def _own_deployment(self, resource: dict, name: str) -> dict | None:
+        live = self.kube.get("apps/v1", "Deployment", resource["metadata"]["namespace"], name)
+        if live is None or (apply.controller_of(live) or {}).get("uid") != resource["metadata"].get("uid"):
+            return None  # none yet, or someone else's (a conflict the apply reports)
+        return live
+
+    def _choose(self, key: tuple[str, str], options: render.Options, live: dict | None, render_at,
+                observed: status.Observed, which: str) -> render.Pin:
+        choice = upgrades.choose(render_at, live, self._same_template)
+        if choice.reason == upgrades.KEPT and options.pod_upgrades == "Roll":
+            if self._grant_upgrade(key, options.max_concurrent_upgrades):
+                log.info("%s/%s: rolling the %s's pods to %s", *key, which, upgrades.describe(choice))
+                return choice.latest
+            pending = upgrades.describe(choice)
+            observed.pod_templates[which] = (choice.pin, f"{pending}: waiting for one of the "
+                                             f"{options.max_concurrent_upgrades} upgrade slots")
+            return choice.pin
+        if choice.reason == upgrades.KEPT:
+            observed.pod_templates[which] = (choice.pin, f"{upgrades.describe(choice)}: kept until the spec changes "
+                                             "the pod template (the operator's pod upgrades are Keep)")
+        return choice.pin
+
+    def _same_template(self, desired: dict, live: dict) -> bool:
+        """Whether `desired`'s pod template is what `live` runs, for a Deployment written before templates carried
+        their hash: every rendered field is there, else the API server's dry-run of the apply says (quantities
+        and defaults normalised) whether the template would change."""
+        if apply.is_subset(desired["spec"]["template"], live["spec"]["template"]):
+            return True
+        try:
+            preview = self.kube.apply(desired, dry_run=True)
+        except ApiException as exc:
+            if apply.unavailable_reason(exc) is not None:
+                raise
+            return False
+        return (preview.get("spec") or {}).get("template") == live["spec"]["template"]
+
+    def _grant_upgrade(self, key: tuple[str, str], limit: int) -> bool:
+        with self._guard:
+            if key in self.upgrading:
+                return True
+            if len(self.upgrading) >= limit:
+                self.awaiting_upgrade.add(key)
+                return False
+            self.awaiting_upgrade.discard(key)
+            self.upgrading[key] = time.monotonic()
+            return True
+
+    def _release_upgrade(self, key: tuple[str, str], current: dict) -> None:
+        """An upgrade slot is free once its service is Ready again; the services waiting for one are queued."""
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in current.get("conditions") or [])
+        with self._guard:
+            if key not in self.upgrading or not ready or current.get("observedGeneration") is None:
+                return
+            del self.upgrading[key]
+            waiting = sorted(self.awaiting_upgrade)
+        log.info("%s/%s: pod upgrade done", *key)
+        if self.requeue is not None:
+            for other in waiting:
+                self.requeue(other)
 
     def _sweep_own_litellm(self, namespace: str, name: str) -> list[str]:
         """This service's entries in ConfigMaps it no longer names (litellm.configMapName changed or removed).
@@ -220,5 +316,11 @@ class Reconciler:
         with self._guard:
             self._locks.pop(key, None)
             pending = self._timers.pop(key, None)
+            self.awaiting_upgrade.discard(key)
+            freed = self.upgrading.pop(key, None) is not None
+            waiting = sorted(self.awaiting_upgrade) if freed else []
+        for other in waiting:
+            if self.requeue is not None:
+                self.requeue(other)
         if pending:
             pending[1].cancel()

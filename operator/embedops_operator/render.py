@@ -74,6 +74,11 @@ class Options:
     cluster_domain: str = "cluster.local"
     # Optional third-party kinds installed in the cluster: ("apiVersion", "Kind") pairs.
     capabilities: frozenset[tuple[str, str]] = field(default_factory=lambda: frozenset(OPTIONAL_KINDS))
+    # Running services whose spec did not change: "Keep" their pods as they are across operator upgrades (a new
+    # server image or template revision waits for their next spec change), or "Roll" them to it, at most
+    # `max_concurrent_upgrades` services at a time, each Ready before the next starts (reconcile.py)
+    pod_upgrades: str = "Keep"
+    max_concurrent_upgrades: int = 1
 
     @classmethod
     def from_env(cls, capabilities: frozenset[tuple[str, str]] | None = None) -> "Options":
@@ -83,7 +88,60 @@ class Options:
             cuda_image=os.environ.get("EMBEDOPS_SERVER_IMAGE_CUDA", base.cuda_image),
             cluster_domain=os.environ.get("EMBEDOPS_CLUSTER_DOMAIN", base.cluster_domain),
             capabilities=base.capabilities if capabilities is None else capabilities,
+            pod_upgrades="Roll" if os.environ.get("EMBEDOPS_POD_UPGRADES", "").lower() == "roll" else "Keep",
+            max_concurrent_upgrades=max(1, int(os.environ.get("EMBEDOPS_MAX_CONCURRENT_UPGRADES", "1") or 1)),
         )
+
+
+# ---------------------------------------------------------------------------------------------------- template revisions
+# A running service's pods are replaced when its spec asks for it, never because the operator was upgraded. What the
+# operator itself puts into a pod template for a given spec (its server image, and how it renders templates) is
+# therefore pinned per Deployment: the revision in its annotation `embedops.dev/template-revision` and the image
+# of its container. Every change to a template ships behind a new revision (`revision >= N` below), the older
+# revisions keep rendering exactly what they did (tests/unit/test_pod_template_revisions.py holds them), and a
+# Deployment moves to the latest revision and image only when its spec changes the template anyway, or when the
+# operator is told to roll pods to it (reconcile: Options.pod_upgrades, paced). A Deployment written before
+# revisions existed has no annotation: revision 0.
+TEMPLATE_REVISIONS = {
+    0: "the template as rendered until 2026-12-05",
+    1: "the prepare step gets no API key; containers request ephemeral storage for their emptyDir volumes; the "
+       "download step quotes the model's cache path",
+}
+TEMPLATE_REVISION = max(TEMPLATE_REVISIONS)
+ANNOTATION_TEMPLATE_REVISION = "embedops.dev/template-revision"
+ANNOTATION_TEMPLATE_HASH = "embedops.dev/template-hash"  # of the template as rendered: did the spec change it?
+
+
+@dataclass(frozen=True)
+class Pin:
+    """What one Deployment's pod template is rendered with besides the spec: a template revision and, when the
+    spec names no image, the image (None: the operator's current one)."""
+    revision: int = TEMPLATE_REVISION
+    image: str | None = None
+
+
+@dataclass(frozen=True)
+class Pins:
+    """The pins of a service's Deployments: the model server's and the activator's."""
+    server: Pin = Pin()
+    activator: Pin = Pin()
+
+    @classmethod
+    def at(cls, revision: int) -> "Pins":
+        return cls(Pin(revision), Pin(revision))
+
+
+def pinned(live: dict | None) -> Pin | None:
+    """The pin a live Deployment was rendered with (revision 0 without the annotation), None without one."""
+    if live is None:
+        return None
+    annotations = (live.get("metadata") or {}).get("annotations") or {}
+    containers = ((((live.get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers")) or [{}]
+    try:
+        revision = int(annotations.get(ANNOTATION_TEMPLATE_REVISION, "0"))
+    except ValueError:
+        revision = 0
+    return Pin(min(max(revision, 0), TEMPLATE_REVISION), containers[0].get("image"))
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -255,7 +313,7 @@ def _args(spec: EmbeddingServiceSpec) -> list[str]:
     return args
 
 
-def _env(spec: EmbeddingServiceSpec, cache_dir: str | None) -> list[dict]:
+def _env(spec: EmbeddingServiceSpec, cache_dir: str | None, api_key: bool = True) -> list[dict]:
     env: list[dict] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "TMPDIR", "value": "/tmp"},
@@ -279,7 +337,7 @@ def _env(spec: EmbeddingServiceSpec, cache_dir: str | None) -> list[dict]:
                 {"name": "MKL_NUM_THREADS", "value": threads},
                 {"name": "ORT_NUM_THREADS", "value": threads},
                 {"name": "TOKENIZATION_WORKERS", "value": str(workers)}]
-    if spec.api_key_secret_ref:
+    if spec.api_key_secret_ref and api_key:
         env.append({"name": "API_KEY", "valueFrom": {"secretKeyRef": {
             "name": spec.api_key_secret_ref.name, "key": spec.api_key_secret_ref.key}}})
     user = {e.get("name") for e in spec.env or []}
@@ -291,10 +349,24 @@ def _probe(period: int, failures: int, timeout: int = 3) -> dict:
             "failureThreshold": failures, "timeoutSeconds": timeout}
 
 
-def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options) -> dict:
+LOG_STORAGE = 1 << 30  # a container's logs and its (read-only) root filesystem's writable layer, beside its volumes
+
+
+def ephemeral_storage(volumes: list[dict]) -> dict[str, str]:
+    """What a pod's node disk holds for it: every disk-backed emptyDir at its size limit (the model download
+    cache, the prepared ONNX graph, /tmp), which the scheduler otherwise never plans for (nodes meet
+    DiskPressure evictions instead). Requested by each container (the scheduler takes the largest init
+    container's or the sum of the app containers': one app container here), limited to that plus the logs."""
+    total = sum(sizing.parse_quantity(v["emptyDir"].get("sizeLimit", "0")) for v in volumes
+                if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory")
+    return {"requests": sizing.quantity(total), "limits": sizing.quantity(total + LOG_STORAGE)}
+
+
+def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: Pin = Pin()) -> dict:
     task = detect_task(spec.model)
     gpu = not spec.accelerator.cpu
-    image = spec.image or (options.cuda_image if gpu else options.cpu_image)
+    image = spec.image or pin.image or (options.cuda_image if gpu else options.cpu_image)
+    revision = pin.revision
     volumes: list[dict] = [{"name": "tmp", "emptyDir": {"sizeLimit": "2Gi"}}]
     mounts: list[dict] = [{"name": "tmp", "mountPath": "/tmp"}]
     init: list[dict] = []
@@ -323,7 +395,7 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options) -> dic
             init.append({
                 "name": "download-model",
                 "image": src.download.image or image,
-                "command": ["sh", "-c", download_script(spec)],
+                "command": ["sh", "-c", download_script(spec, quote_cache=revision >= 1)],
                 "env": dl_env,
                 "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "model-cache", "mountPath": "/models"}],
                 "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
@@ -341,7 +413,8 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options) -> dic
         cache_mount["subPath"] = cache.sub_path
     # the server only reads what the prepare step made: a server that would write there is a bug, not a fallback
     server_mounts = mounts + [{**cache_mount, "readOnly": True}]
-    init.append(_prepare_container(spec, image, _args(spec), _env(spec, cache_dir),
+    # the prepare step answers no request: it has no use for the API key (revision 1)
+    init.append(_prepare_container(spec, image, _args(spec), _env(spec, cache_dir, api_key=revision < 1),
                                    [dict(m) for m in mounts] + [cache_mount], est))
     if gpu:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}})
@@ -366,6 +439,11 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options) -> dic
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
     container = {k: v for k, v in container.items() if v is not None}
+    if revision >= 1:
+        storage = ephemeral_storage(volumes)
+        for c in [container, *init]:
+            for section in ("requests", "limits"):  # a value from spec.resources stays
+                c["resources"].setdefault(section, {}).setdefault("ephemeral-storage", storage[section])
 
     tolerations: list[dict] = []
     if gpu:
@@ -412,7 +490,7 @@ MODEL_FILES = ("*.json", "*.txt", "*.model", "1_Pooling/*", "sparse_linear.pt", 
 ONNX_FILES = ("onnx/model.onnx", "onnx/model.onnx_data", "model.onnx", "model.onnx_data")
 
 
-def download_script(spec: EmbeddingServiceSpec, hub: str = "/models/hub") -> str:
+def download_script(spec: EmbeddingServiceSpec, hub: str = "/models/hub", quote_cache: bool = True) -> str:
     """The download init container's `sh -c`: `hf download` of only the files the server will load, not the
     whole repository (BAAI/bge-m3 ships its weights twice, as torch weights and as onnx/model.onnx + data: 4.5
     GB where 2.3 GB serve). ONNX Runtime (CPU, float32 or int8): the ONNX graph, else, for a repository
@@ -427,7 +505,11 @@ def download_script(spec: EmbeddingServiceSpec, hub: str = "/models/hub") -> str
         first, fallback, have = ONNX_FILES, ("*.safetensors",), ("onnx/model.onnx", "model.onnx")
     else:
         first, fallback, have = ("*.safetensors",), ("*.bin",), ("*.safetensors",)
-    found = " ".join(f"{snapshots}/{h}" for h in have)
+    if quote_cache:  # the id inside quotes, the globs outside: the shell expands only the snapshot wildcards
+        cache = shlex.quote(f"{hub}/models--{m.id.replace('/', '--')}")
+        found = " ".join(f"{cache}/snapshots/*/{h}" for h in have)
+    else:  # revision 0 (the model id's pattern in the CRD keeps shell syntax out of it since)
+        found = " ".join(f"{snapshots}/{h}" for h in have)
     return (f"set -eu; {base} {include(MODEL_FILES + first)}; have=0; "
             f"for f in {found}; do if [ -e \"$f\" ]; then have=1; fi; done; "
             f"if [ $have = 0 ]; then {base} {include(fallback)}; fi")
@@ -479,7 +561,16 @@ def _meta(name: str, namespace: str, labels: dict, owner: dict | None) -> dict:
     return meta
 
 
-def deployment(name: str, ns: str, spec: EmbeddingServiceSpec, options: Options, owner: dict | None) -> dict:
+def pin_annotations(meta: dict, pin: Pin, template: dict) -> dict:
+    """A Deployment's record of its pin: the template revision and the hash of the template as rendered (the
+    reconciler compares it with what the spec renders at that pin now, to tell a spec change from an upgrade)."""
+    meta.setdefault("annotations", {}).update({ANNOTATION_TEMPLATE_REVISION: str(pin.revision),
+                                               ANNOTATION_TEMPLATE_HASH: content_hash(template)})
+    return meta
+
+
+def deployment(name: str, ns: str, spec: EmbeddingServiceSpec, options: Options, owner: dict | None,
+               pin: Pin = Pin()) -> dict:
     labels = common_labels(name, detect_task(spec.model))
     if spec.accelerator.cpu:
         rolling: dict[str, Any] = {"maxSurge": 1, "maxUnavailable": 0}
@@ -499,9 +590,10 @@ def deployment(name: str, ns: str, spec: EmbeddingServiceSpec, options: Options,
         "progressDeadlineSeconds": 600,
         "selector": {"matchLabels": selector_labels(name)},
         "strategy": strategy,
-        "template": pod_template(name, spec, options),
+        "template": pod_template(name, spec, options, pin),
     })
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, ns, labels, owner), "spec": dspec}
+    return {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": pin_annotations(_meta(name, ns, labels, owner), pin, dspec["template"]), "spec": dspec}
 
 
 def service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
@@ -569,13 +661,13 @@ def activator_demand_url(name: str, ns: str, options: Options) -> str:
 
 
 def activator_deployment(name: str, ns: str, spec: EmbeddingServiceSpec, options: Options,
-                         owner: dict | None) -> dict:
+                         owner: dict | None, pin: Pin = Pin()) -> dict:
     """One small proxy pod (no accelerator, ~40 MB) from the CPU server image, which carries it. A CPU service
     keeps its placement (nodeSelector, tolerations); a GPU service's activator runs on any node that takes it."""
     a = spec.autoscaling
     assert a is not None
     cpu = bool(spec.accelerator.cpu)
-    image = spec.image if (spec.image and cpu) else options.cpu_image
+    image = spec.image if (spec.image and cpu) else (pin.image or options.cpu_image)
     backend = service_url(backend_name(name), ns, spec, options)
     probe = {"httpGet": {"path": "/healthz", "port": "admin"}, "periodSeconds": 5, "timeoutSeconds": 2}
     container: dict[str, Any] = {
@@ -605,10 +697,11 @@ def activator_deployment(name: str, ns: str, spec: EmbeddingServiceSpec, options
         pod_spec["tolerations"] = list(spec.tolerations)
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
+    template = {"metadata": {"labels": activator_labels(name)}, "spec": pod_spec}
     return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": _meta(activator_name(name), ns, activator_labels(name), owner),
+            "metadata": pin_annotations(_meta(activator_name(name), ns, activator_labels(name), owner), pin, template),
             "spec": {"replicas": 1, "revisionHistoryLimit": 3, "selector": {"matchLabels": activator_selector(name)},
-                     "template": {"metadata": {"labels": activator_labels(name)}, "spec": pod_spec}}}
+                     "template": template}}
 
 
 def service_monitor(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
@@ -753,22 +846,26 @@ def owner_reference(resource: dict) -> dict | None:
             "controller": True, "blockOwnerDeletion": True}
 
 
-def render(resource: dict, options: Options | None = None) -> list[dict]:
+def render(resource: dict, options: Options | None = None, pins: Pins | None = None) -> list[dict]:
     """All manifests the operator applies for this EmbeddingService, in apply order.
 
     Optional kinds absent from `options.capabilities` are left out (status reports them).
     Each manifest carries an `embedops.dev/applied-hash` annotation of its own content.
+    `pins`: what the Deployments' pod templates are rendered with besides the spec (default: the latest
+    revision and the operator's images; the reconciler passes what running Deployments are pinned to).
     """
     options = options or Options()
+    pins = pins or Pins()
     es = parse_resource(resource)
     name = es.metadata["name"]
     ns = es.metadata.get("namespace") or "default"
     spec = es.spec
     owner = owner_reference(resource)
     to_zero = scales_to_zero(spec, options)
-    out: list[dict] = [deployment(name, ns, spec, options, owner)]
+    out: list[dict] = [deployment(name, ns, spec, options, owner, pins.server)]
     if to_zero:  # the activator first, so its pod is starting when the Service's selector moves to it
-        out += [activator_deployment(name, ns, spec, options, owner), backend_service(name, ns, spec, owner),
+        out += [activator_deployment(name, ns, spec, options, owner, pins.activator),
+                backend_service(name, ns, spec, owner),
                 activator_service(name, ns, spec, owner)]
     else:
         out.append(service(name, ns, spec, owner))

@@ -57,6 +57,7 @@ InstructionSet = Literal["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_v
 Task = Literal["embed", "rerank", "classify", "sparse"]
 # bge-m3-layout embedders (sparse_linear.pt / colbert_linear.pt beside the weights): the server's outputs.
 Output = Literal["dense", "sparse", "colbert"]
+MODEL_ID_PATTERN = r"^(/[A-Za-z0-9._+@=-]+(/[A-Za-z0-9._+@=-]+)*/?|[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?)$"
 # Ids that render.detect_task maps to another task than embed (kept in step with it; a unit test checks both).
 NON_EMBED_ID_PATTERN = "(?i)(rerank|cross-encoder|ms-marco|splade)"
 
@@ -159,7 +160,9 @@ class ModelSpec(Model):
                 "model.outputs apply to task embed only (a bge-m3-layout embedder); rerank, classify and sparse "
                 "(SPLADE) models have no dense/sparse/colbert outputs"),
         ]})
-    id: str = Field(min_length=1, max_length=512,
+    # A Hub id (an optional owner, a name: letters, digits, '-', '_', '.') or an absolute path: it reaches the
+    # download step's shell script and the server's arguments, so no character of shell syntax gets through
+    id: str = Field(min_length=1, max_length=512, pattern=MODEL_ID_PATTERN,
                     description="Hugging Face model id (e.g. BAAI/bge-m3) or a local path inside the pod.")
     revision: str | None = Field(None, description="Model revision (commit, branch or tag).")
     task: Task | None = Field(None, description="embed, rerank, classify or sparse; detected from the id when omitted.")
@@ -401,6 +404,13 @@ class ServedModel(Model):
     prepared: str | None = Field(None, description="What that pod's prepare step made, and its cost.")
 
 
+class PodTemplateStatus(Model):
+    deployment: str = Field(description="server (the model pods) or activator.")
+    revision: int | None = Field(None, description="The operator's template revision the pods run.")
+    image: str | None = Field(None, description="The image the pods run.")
+    pending: str | None = Field(None, description="What a newer operator would change, and when it will.")
+
+
 class EmbeddingServiceStatus(Model):
     observed_generation: int | None = None
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
@@ -417,6 +427,9 @@ class EmbeddingServiceStatus(Model):
     endpoints: Endpoints | None = None
     memory: MemoryStatus | None = None
     model: ServedModel | None = None
+    pod_templates: list[PodTemplateStatus] | None = Field(None, description=(
+        "Deployments whose pods keep an older template revision or image of the operator's across its upgrades "
+        "(absent when all run the latest)."))
 
 
 class EmbeddingService(Model):

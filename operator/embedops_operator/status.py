@@ -32,6 +32,11 @@ class Observed:
     route: dict | None = None  # the live HTTPRoute (its status.parents is what the gateways say of it)
     # minReplicas 0 (render.scales_to_zero): the activator's Deployment, which answers the service's address
     activator: dict | None = None
+    # children not written because an object the operator did not create holds their name (apply.Conflict)
+    conflicts: list[str] = field(default_factory=list)
+    # Deployment ("server", "activator") -> (the pin it keeps, what it leaves out): upgrades.choose kept an older
+    # template revision or image for it
+    pod_templates: dict[str, tuple[Any, str]] = field(default_factory=dict)
 
 
 def _parse_time(value: str | None) -> dt.datetime | None:
@@ -177,6 +182,8 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
         stalled = ("InvalidSpec", observed.invalid)
     elif observed.refused:
         stalled = observed.refused
+    elif observed.conflicts:
+        stalled = ("OwnershipConflict", "; ".join(observed.conflicts))
     elif dep is not None:
         for dc in dstat.get("conditions") or []:
             if dc.get("type") == "Progressing" and dc.get("reason") == "ProgressDeadlineExceeded":
@@ -245,6 +252,9 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
             else:
                 cond(ctype, "True", "Applied", "")
 
+    if observed.pod_templates:
+        status["podTemplates"] = [{"deployment": which, "revision": pin.revision, "image": pin.image,
+                                   "pending": note} for which, (pin, note) in sorted(observed.pod_templates.items())]
     status["conditions"] = conditions
     return status
 

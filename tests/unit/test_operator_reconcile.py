@@ -53,6 +53,8 @@ class FakeKube:
         obj = self.objects.get(self.key(api_version, kind, ns, name))
         return copy.deepcopy(obj) if obj else None
 
+    get_from_server = get_any = get
+
     def list(self, api_version, kind, ns, selector=None):
         want = dict(p.split("=") for p in selector.split(",")) if selector else {}
         out = []
@@ -71,7 +73,7 @@ class FakeKube:
         m["generation"] = m.get("generation", 0) + 1
         self.objects[self.key(obj["apiVersion"], obj["kind"], m["namespace"], m["name"])] = obj
 
-    def apply(self, obj, manager=R.MANAGER, dry_run=False):
+    def apply(self, obj, manager=R.MANAGER, dry_run=False, force=True):
         m = obj["metadata"]
         live = self.objects.get(self.key(obj["apiVersion"], obj["kind"], m["namespace"], m["name"]))
         merged = _normalize(_merge(live or {}, obj))
@@ -220,10 +222,10 @@ def test_crd_removed_since_discovery_is_reported_missing_and_retried(kube):
     kube.create_service(spec)
     applying = kube.apply
 
-    def apply_without_routes(obj, manager=R.MANAGER, dry_run=False):
+    def apply_without_routes(obj, manager=R.MANAGER, dry_run=False, force=True):
         if obj["kind"] == "HTTPRoute":
             raise ApiException(status=404, reason="Not Found")
-        return applying(obj, manager=manager, dry_run=dry_run)
+        return applying(obj, manager=manager, dry_run=dry_run, force=force)
     kube.apply = apply_without_routes
     rec = Reconciler(kube, Settings())
     status = rec.reconcile("ml", "svc")
@@ -289,7 +291,7 @@ def test_deleted_service_removes_its_litellm_key(kube):
     rec = Reconciler(kube, Settings())
     rec.reconcile("ml", "a")
     applied = []
-    kube.apply = lambda obj, manager=R.MANAGER, dry_run=False: applied.append((obj, manager))
+    kube.apply = lambda obj, manager=R.MANAGER, dry_run=False, force=True: applied.append((obj, manager))
     rec.forget("ml", "a", body)
     assert applied == [({"apiVersion": "v1", "kind": "ConfigMap",
                          "metadata": {"name": "litellm", "namespace": "ml"}}, "embedops-litellm-a")]
@@ -445,3 +447,218 @@ def test_a_service_named_index_keeps_its_litellm_entry_apart_from_the_index():
     ]}, "data": {R.litellm_key("index"): "model_list: []\n", litellm.INDEX_KEY: "include: []\n"}}
     assert litellm.manager("index") != litellm.INDEX_MANAGER
     assert litellm.entry_owners(cm) == {"index"}
+
+
+# ---------------------------------------------------------------------------------------------------- ownership
+
+def _foreign(kind_key: tuple[str, str], name: str, ns: str = "ml", labels: dict | None = None,
+             owner: dict | None = None) -> dict:
+    obj = {"apiVersion": kind_key[0], "kind": kind_key[1],
+           "metadata": {"name": name, "namespace": ns, "labels": dict(labels or {"app": "theirs"})},
+           "spec": {"theirs": True}}
+    if owner:
+        obj["metadata"]["ownerReferences"] = [owner]
+    return obj
+
+
+def _conditions(status: dict) -> dict:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+@pytest.mark.parametrize("kind_key", [("apps/v1", "Deployment"), ("v1", "Service"),
+                                      ("policy/v1", "PodDisruptionBudget"), R.SERVICEMONITOR, R.HTTPROUTE,
+                                      R.SCALEDOBJECT])
+def test_an_object_the_operator_did_not_create_is_never_written(kube, kind_key):
+    """A foreign object holding a child's name is left byte for byte as it was, the status says Stalled with
+    the kind and name, the other children are still written, and the service is retried (no event would come
+    when the user removes the object: the caches hold only the operator's)."""
+    spec = copy.deepcopy(MIG)
+    spec["replicas"] = 2  # a PDB
+    spec["gateway"] = {"parentRefs": [{"name": "gw"}]}
+    spec["autoscaling"] = {"minReplicas": 2, "maxReplicas": 3}
+    kube.create_service(spec)
+    theirs = _foreign(kind_key, "svc")
+    kube._store(theirs)
+    before = copy.deepcopy(kube.objects[(*kind_key, "ml", "svc")])
+    rec = Reconciler(kube, Settings())
+    status = rec.reconcile("ml", "svc")
+    assert kube.objects[(*kind_key, "ml", "svc")] == before
+    stalled = _conditions(status)["Stalled"]
+    assert (stalled["status"], stalled["reason"]) == ("True", "OwnershipConflict")
+    assert stalled["message"].startswith(f"{kind_key[1]} svc exists and was not created by this EmbeddingService")
+    assert _conditions(status)["Ready"]["status"] == "False"
+    assert ("ml", "svc") in rec.unfinished
+    others = {"Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor", "HTTPRoute", "ScaledObject"} - {
+        kind_key[1]}
+    assert others <= set(kinds(kube))
+    # its removal by the user lets the next (retried) reconcile create the operator's own
+    del kube.objects[(*kind_key, "ml", "svc")]
+    status = rec.reconcile("ml", "svc")
+    assert _conditions(status)["Stalled"]["status"] == "False"
+    assert kube.objects[(*kind_key, "ml", "svc")]["metadata"]["ownerReferences"][0]["uid"] == \
+        "uid-svc-EmbeddingService"
+    assert ("ml", "svc") not in rec.unfinished
+
+
+def test_an_object_controlled_by_another_owner_is_a_conflict_naming_it(kube):
+    kube.create_service(copy.deepcopy(MIG))
+    other = {"apiVersion": "embedops.dev/v1alpha1", "kind": "EmbeddingService", "name": "svc", "uid": "old-uid",
+             "controller": True}
+    kube._store(_foreign(("v1", "Service"), "svc", owner=other))
+    status = Reconciler(kube, Settings()).reconcile("ml", "svc")
+    msg = _conditions(status)["Stalled"]["message"]
+    assert msg.startswith("Service svc is controlled by EmbeddingService svc (uid old-uid, a deleted one"), msg
+    helm = {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web-1", "uid": "rs", "controller": True}
+    kube.objects.pop(("v1", "Service", "ml", "svc"))
+    kube._store(_foreign(("v1", "Service"), "svc", owner=helm))
+    status = Reconciler(kube, Settings()).reconcile("ml", "svc")
+    assert _conditions(status)["Stalled"]["message"].startswith(
+        "Service svc is controlled by ReplicaSet web-1, not by this EmbeddingService")
+
+
+def test_an_object_wearing_the_operators_labels_without_its_controller_is_neither_written_nor_pruned(kube):
+    """Labels are anyone's to set: only the controller reference says who created an object."""
+    kube.create_service(copy.deepcopy(MIG))  # one replica: no PDB is rendered
+    rec = Reconciler(kube, Settings())
+    rec.reconcile("ml", "svc")
+    ours = {R.LABEL_MANAGED_BY: R.MANAGER, R.LABEL_SERVICE: "svc"}
+    lookalike = _foreign(("policy/v1", "PodDisruptionBudget"), "svc", labels=ours)
+    lookalike["metadata"]["ownerReferences"] = [{"uid": "uid-svc-EmbeddingService", "kind": "EmbeddingService",
+                                                 "name": "svc"}]  # an owner, but not the controller
+    kube._store(lookalike)
+    before = copy.deepcopy(kube.objects[("policy/v1", "PodDisruptionBudget", "ml", "svc")])
+    rec.reconcile("ml", "svc")
+    assert kube.objects[("policy/v1", "PodDisruptionBudget", "ml", "svc")] == before
+    # rendered again (two replicas): still not written, a conflict
+    spec = copy.deepcopy(MIG)
+    spec["replicas"] = 2
+    kube.update_spec("svc", "ml", spec)
+    status = rec.reconcile("ml", "svc")
+    assert kube.objects[("policy/v1", "PodDisruptionBudget", "ml", "svc")] == before
+    assert _conditions(status)["Stalled"]["reason"] == "OwnershipConflict"
+
+
+def test_a_litellm_config_map_is_written_only_when_created_by_the_operator_or_labelled_to_opt_in(kube):
+    spec = copy.deepcopy(MIG)
+    spec["litellm"] = {"configMapName": "team-config"}
+    kube.create_service(spec)
+    user = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "team-config", "namespace": "ml"},
+            "data": {"config.yaml": "general_settings: {}\n"}}
+    kube._store(copy.deepcopy(user))
+    before = copy.deepcopy(kube.objects[("v1", "ConfigMap", "ml", "team-config")])
+    rec = Reconciler(kube, Settings())
+    status = rec.reconcile("ml", "svc")
+    assert kube.objects[("v1", "ConfigMap", "ml", "team-config")] == before
+    msg = _conditions(status)["Stalled"]["message"]
+    assert msg.startswith("ConfigMap team-config exists without the label embedops.dev/litellm=true"), msg
+    kube.objects[("v1", "ConfigMap", "ml", "team-config")]["metadata"]["labels"] = {R.LABEL_LITELLM: "true"}
+    status = rec.reconcile("ml", "svc")
+    assert _conditions(status)["Stalled"]["status"] == "False"
+    data = kube.objects[("v1", "ConfigMap", "ml", "team-config")]["data"]
+    assert data["config.yaml"] == "general_settings: {}\n" and "embedops-svc.yaml" in data
+
+
+def test_an_object_created_by_someone_else_between_the_read_and_the_create_is_not_taken_over(kube):
+    """The create is a server-side apply that is not forced: an object someone created after the operator's read
+    makes it conflict (409) instead of being taken over, and is then reported like any other."""
+    from kubernetes.client.rest import ApiException
+
+    kube.create_service(copy.deepcopy(MIG))
+    applying = kube.apply
+
+    def racing_apply(obj, manager=R.MANAGER, dry_run=False, force=True):
+        if obj["kind"] == "Service" and not dry_run and ("v1", "Service", "ml", "svc") not in kube.objects:
+            kube._store(_foreign(("v1", "Service"), "svc"))  # the user's kubectl, a moment earlier
+            assert not force
+            raise ApiException(status=409, reason="Conflict")
+        return applying(obj, manager=manager, dry_run=dry_run, force=force)
+    kube.apply = racing_apply
+    status = Reconciler(kube, Settings()).reconcile("ml", "svc")
+    assert kube.objects[("v1", "Service", "ml", "svc")]["spec"] == {"theirs": True}
+    assert _conditions(status)["Stalled"]["reason"] == "OwnershipConflict"
+
+
+# ---------------------------------------------------------------------------------------------------- upgrades
+
+ES_KEY = ("embedops.dev/v1alpha1", "EmbeddingService", "ml")
+DEPLOYMENT = ("apps/v1", "Deployment", "ml")
+
+
+def _written_by_an_older_operator(kube, name="svc", image=None):
+    """The service's Deployment as an operator of template revision 0 wrote it (no revision annotations)."""
+    res = kube.get(*ES_KEY, name)
+    dep = R.render(res, R.Options(), R.Pins(R.Pin(0, image), R.Pin(0, image)))[0]
+    for key in (R.ANNOTATION_TEMPLATE_REVISION, R.ANNOTATION_TEMPLATE_HASH):
+        dep["metadata"]["annotations"].pop(key)
+    kube._store(_normalize(dep))
+    return copy.deepcopy(dep["spec"]["template"])
+
+
+def test_an_operator_upgrade_leaves_running_pod_templates_alone_until_the_spec_changes(kube, monkeypatch):
+    spec = copy.deepcopy(CPU)
+    spec["apiKeySecretRef"] = {"name": "key"}  # revision 1 drops it from the prepare step: a template change
+    kube.create_service(spec)
+    old = _written_by_an_older_operator(kube, image="registry/embedops-server:0.0.9-cpu")
+    rec = Reconciler(kube, Settings())
+    status = rec.reconcile("ml", "svc")
+    dep = kube.objects[(*DEPLOYMENT, "svc")]
+    assert _normalize({"kind": "Deployment", "spec": {"template": old}})["spec"]["template"] == dep["spec"]["template"]
+    assert dep["metadata"]["annotations"][R.ANNOTATION_TEMPLATE_REVISION] == "0"
+    assert status["podTemplates"] == [{
+        "deployment": "server", "revision": 0, "image": "registry/embedops-server:0.0.9-cpu",
+        "pending": f"template revision {R.TEMPLATE_REVISION} (runs 0) and image {R.Options().cpu_image} (runs "
+                   "registry/embedops-server:0.0.9-cpu): kept until the spec changes the pod template (the "
+                   "operator's pod upgrades are Keep)"}]
+    # a scale is no template change: still kept
+    spec["replicas"] = 3
+    kube.update_spec("svc", "ml", spec)
+    rec.reconcile("ml", "svc")
+    assert kube.objects[(*DEPLOYMENT, "svc")]["spec"]["template"] == dep["spec"]["template"]
+    assert kube.objects[(*DEPLOYMENT, "svc")]["spec"]["replicas"] == 3
+    # a change of the template by the spec takes the latest revision and image with it
+    spec["batching"] = {"maxBatchTokens": 4096}
+    kube.update_spec("svc", "ml", spec)
+    status = rec.reconcile("ml", "svc")
+    dep = kube.objects[(*DEPLOYMENT, "svc")]
+    assert dep["metadata"]["annotations"][R.ANNOTATION_TEMPLATE_REVISION] == str(R.TEMPLATE_REVISION)
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == R.Options().cpu_image
+    assert "podTemplates" not in status
+
+
+def test_a_new_server_image_in_the_operators_options_waits_for_the_spec(kube, monkeypatch):
+    kube.create_service(copy.deepcopy(MIG))
+    rec = Reconciler(kube, Settings())
+    rec.reconcile("ml", "svc")
+    before = copy.deepcopy(kube.objects[(*DEPLOYMENT, "svc")])
+    monkeypatch.setenv("EMBEDOPS_SERVER_IMAGE_CUDA", "registry/embedops-server:0.2.0-cuda")
+    status = rec.reconcile("ml", "svc")
+    assert kube.objects[(*DEPLOYMENT, "svc")]["spec"] == before["spec"]
+    assert status["podTemplates"][0]["pending"].startswith("image registry/embedops-server:0.2.0-cuda (runs ")
+
+
+def test_pod_upgrades_roll_at_most_n_services_at_a_time_each_ready_before_the_next(kube, monkeypatch):
+    for name in ("a", "b", "c"):
+        kube.create_service(copy.deepcopy(MIG), name=name)
+        _written_by_an_older_operator(kube, name)
+    monkeypatch.setenv("EMBEDOPS_POD_UPGRADES", "Roll")
+    monkeypatch.setenv("EMBEDOPS_MAX_CONCURRENT_UPGRADES", "1")
+    rec = Reconciler(kube, Settings())
+    queued = []
+    rec.requeue = queued.append
+    revision = lambda n: kube.objects[(*DEPLOYMENT, n)]["metadata"]["annotations"][  # noqa: E731
+        R.ANNOTATION_TEMPLATE_REVISION]
+    for name in ("a", "b", "c"):
+        rec.reconcile("ml", name)
+    assert [revision(n) for n in ("a", "b", "c")] == [str(R.TEMPLATE_REVISION), "0", "0"]
+    status = kube.get(*ES_KEY, "b")["status"]
+    assert "waiting for one of the 1 upgrade slots" in status["podTemplates"][0]["pending"]
+    assert rec.upgrading.keys() == {("ml", "a")} and queued == []
+    # a's new pods become ready: its slot frees, and the services waiting are queued
+    dep = kube.objects[(*DEPLOYMENT, "a")]
+    dep["status"] = {"observedGeneration": dep["metadata"]["generation"], "replicas": 1, "readyReplicas": 1,
+                     "updatedReplicas": 1, "availableReplicas": 1}
+    rec.reconcile("ml", "a")
+    assert rec.upgrading == {} and queued == [("ml", "b"), ("ml", "c")]
+    rec.reconcile("ml", "b")
+    rec.reconcile("ml", "c")
+    assert [revision(n) for n in ("b", "c")] == [str(R.TEMPLATE_REVISION), "0"]

@@ -64,7 +64,9 @@ def test_cpu_nfd_selectors_threads_and_surge():
                                    "feature.node.kubernetes.io/cpu-cpuid.AVX512VNNI": "true",
                                    "kubernetes.io/arch": "amd64"}
     assert c["image"] == R.Options().cpu_image
-    assert c["resources"] == {"requests": {"cpu": "6", "memory": "6Gi"}, "limits": {"cpu": "6", "memory": "6Gi"}}
+    # ephemeral storage: the model cache (20Gi), /tmp (2Gi) and the ONNX cache (1Gi for MiniLM), plus 1Gi of logs
+    assert c["resources"] == {"requests": {"cpu": "6", "memory": "6Gi", "ephemeral-storage": "23Gi"},
+                              "limits": {"cpu": "6", "memory": "6Gi", "ephemeral-storage": "24Gi"}}
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == env["ORT_NUM_THREADS"] == "6"
     assert arg(c, "--dtype") == "float32"
@@ -186,7 +188,7 @@ def test_pod_overrides():
     out = render(spec)
     c, pod = container(out), pod_spec(out)
     assert c["image"] == "registry.local/embedops-server:dev" and c["imagePullPolicy"] == "Always"
-    assert c["resources"]["limits"] == {"cpu": "6", "memory": "12Gi"}
+    assert c["resources"]["limits"] == {"cpu": "6", "memory": "12Gi", "ephemeral-storage": "24Gi"}
     env = [(e["name"], e.get("value")) for e in c["env"]]
     assert ("OMP_NUM_THREADS", "3") in env and ("OMP_NUM_THREADS", "6") not in env and ("LOG_LEVEL", "debug") in env
     assert pod["nodeSelector"]["pool"] == "ingest"
@@ -570,3 +572,42 @@ def test_download_fetches_only_what_the_backend_loads(tmp_path, accel, repo_file
     assert {"config.json", "tokenizer.json", "1_Pooling/config.json", "sparse_linear.pt", "colbert_linear.pt"} <= got
     assert "README.md" not in got
     assert len(log.read_text().splitlines()) == calls
+
+
+def test_every_container_requests_the_disk_its_volumes_may_fill():
+    """Issue 35: the download cache, the ONNX cache and /tmp are emptyDirs on the node's disk; without a request
+    the scheduler never plans for them and nodes meet DiskPressure evictions. Memory-backed /dev/shm is not disk;
+    a PVC-backed model needs no download cache; a value from spec.resources stays."""
+    spec = copy.deepcopy(MIG)
+    spec["model"]["source"] = {"download": {"cacheSize": "30Gi"}}
+    pod = pod_spec(render(spec))
+    sizes = {v["name"]: v["emptyDir"]["sizeLimit"] for v in pod["volumes"] if "emptyDir" in v}
+    assert sizes["model-cache"] == "30Gi" and sizes["tmp"] == "2Gi" and sizes["dshm"] == "1Gi"
+    onnx = int(sizes["onnx-cache"][:-2])
+    for c in pod["containers"] + pod["initContainers"]:
+        assert c["resources"]["requests"]["ephemeral-storage"] == f"{32 + onnx}Gi", c["name"]
+        assert c["resources"]["limits"]["ephemeral-storage"] == f"{33 + onnx}Gi", c["name"]
+    pvc = copy.deepcopy(CPU)
+    pvc["model"]["source"] = {"pvc": {"claimName": "models"}}
+    pvc["resources"] = {"limits": {"ephemeral-storage": "50Gi"}}
+    c = container(render(pvc))
+    assert c["resources"]["requests"]["ephemeral-storage"] == "3Gi"  # /tmp and the ONNX cache
+    assert c["resources"]["limits"]["ephemeral-storage"] == "50Gi"
+
+
+def test_the_prepare_step_gets_no_api_key():
+    spec = copy.deepcopy(CPU)
+    spec["apiKeySecretRef"] = {"name": "key"}
+    pod = pod_spec(render(spec))
+    names = lambda c: [e["name"] for e in c["env"]]  # noqa: E731
+    assert "API_KEY" in names(pod["containers"][0])
+    assert "API_KEY" not in names(next(c for c in pod["initContainers"] if c["name"] == "prepare"))
+
+
+def test_the_download_script_quotes_what_comes_from_the_manifest():
+    spec = R.parse_resource(defaulted(es({**CPU, "model": {"id": "acme/enc.v2", "revision": "main",
+                                                            "source": {"download": {}}}})))
+    script = R.download_script(spec.spec)
+    assert "/models/hub/models--acme--enc.v2/snapshots/*/onnx/model.onnx" in script
+    odd = spec.spec.model_copy(update={"model": spec.spec.model.model_copy(update={"id": "/odd path/m"})})
+    assert "'/models/hub/models----odd path--m'/snapshots/*/" in R.download_script(odd)
