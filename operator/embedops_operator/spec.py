@@ -402,6 +402,11 @@ class MemoryStatus(Model):
 class ServedModel(Model):
     commit: str | None = Field(None, description="The model commit the newest ready pod serves (its prepare step's report).")
     prepared: str | None = Field(None, description="What that pod's prepare step made, and its cost.")
+    space: str | None = Field(None, description=(
+        "The embedding space of the ready replicas' vectors: the fingerprint of the model's content, pooling, "
+        "prompt, quantization and input limit that every embedding response carries as its embedding-space header. "
+        "Several, comma-separated, when ready replicas disagree (the spec did not pin model.revision and the model "
+        "changed under it)."))
 
 
 class PodTemplateStatus(Model):
@@ -507,6 +512,8 @@ PRINTER_COLUMNS = [
     {"name": "Memory", "type": "string", "jsonPath": ".status.memory.estimate", "priority": 1,
      "description": "estimated peak memory per replica"},
     {"name": "Commit", "type": "string", "jsonPath": ".status.model.commit", "priority": 1},
+    {"name": "Space", "type": "string", "jsonPath": ".status.model.space", "priority": 1,
+     "description": "the embedding space the ready replicas' vectors belong to (their embedding-space header)"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -317,8 +317,10 @@ def _served_model(pods: list[dict]) -> dict | None:
         return any(c.get("type") == "Ready" and c.get("status") == "True"
                    for c in (p.get("status") or {}).get("conditions") or [])
 
+    out: dict | None = None
+    spaces: list[str] = []
     for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("creationTimestamp") or "", reverse=True):
-        if not ready(pod):
+        if not ready(pod) or (pod.get("metadata") or {}).get("deletionTimestamp"):
             continue
         for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
             msg = (((cs.get("state") or {}).get("terminated") or {}).get("message") or "").strip()
@@ -327,11 +329,16 @@ def _served_model(pods: list[dict]) -> dict | None:
                     report = json.loads(msg[len("prepared "):])
                 except ValueError:
                     continue
-                out = {"prepared": ", ".join(f"{k} {v}" for k, v in report.items() if k != "commit" and v is not None)}
-                if report.get("commit"):
-                    out["commit"] = report["commit"]
-                return out
-    return None
+                if report.get("space") and report["space"] not in spaces:
+                    spaces.append(report["space"])
+                if out is None:  # the newest ready pod's report
+                    out = {"prepared": ", ".join(f"{k} {v}" for k, v in report.items()
+                                                 if k not in ("commit", "space") and v is not None)}
+                    if report.get("commit"):
+                        out["commit"] = report["commit"]
+    if out is not None and spaces:
+        out["space"] = ",".join(spaces)
+    return out
 
 
 def normalized(status: dict | None) -> dict:

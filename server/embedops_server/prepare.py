@@ -35,8 +35,10 @@ def runs_onnx(s: Settings) -> bool:
 def prepare(s: Settings) -> dict:
     """Prepare the cache entry for ``s`` (the server's own settings) and return a summary."""
     t0 = time.perf_counter()
+    from .service import space_of
+
     info = load_model_info(s.model_id, s.pooling, s.revision)
-    summary: dict = {"model": str(info.path), "commit": info.commit}
+    summary: dict = {"model": str(info.path), "commit": info.commit, "space": space_of(s, info).fingerprint}
     if not runs_onnx(s):
         summary["prepared"] = "nothing (this server runs torch)"
         return summary
@@ -87,5 +89,5 @@ def main(s: Settings) -> int:
     log.info("prepared %s", json.dumps(summary))
     # the pod's status shows this (init container's termination message): what was made and at what cost
     write_termination_message("prepared " + json.dumps(
-        {k: summary.get(k) for k in ("commit", "graph", "int8_cosine", "seconds", "peak_rss_mb")}))
+        {k: summary.get(k) for k in ("commit", "space", "graph", "int8_cosine", "seconds", "peak_rss_mb")}))
     return 0

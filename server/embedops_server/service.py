@@ -10,6 +10,7 @@ from .backends.base import Backend, cpu_threads
 from .core.engine import Engine, EngineStats
 from .core.model_info import (COLBERT, DENSE, EMBEDDER, HEAD_FILES, LEXICAL, NO_TORCH, ModelError, ModelInfo,
                               load_model_info, no_onnx_without_torch, torch_installed)
+from .core.space import EmbeddingSpace, fingerprint
 from .core.tokenization import TokenizerPool
 from .settings import Settings
 
@@ -25,6 +26,7 @@ class Service:
     tokenizers: TokenizerPool
     max_input_length: int
     load_seconds: float
+    space: EmbeddingSpace | None = None
 
 
 def _cuda_available() -> bool:
@@ -119,9 +121,8 @@ def check_outputs(wanted: str | None, info: ModelInfo) -> None:
                          f"{', '.join(have) or 'nothing of these'})")
 
 
-def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
-    t0 = time.perf_counter()
-    info = load_model_info(s.model_id, s.pooling, s.revision)
+def effective_max_input_length(s: Settings, info: ModelInfo) -> int:
+    """The longest input the server accepts before truncating (or refusing) it."""
     max_len = info.max_input_length
     if s.max_input_length is not None:
         # the operator passes model.maxInputLength: it bounds the longest input, the warm-up and with them the
@@ -137,11 +138,30 @@ def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
                 "raise the budget or enable --auto-truncate")
         log.warning("max input length %d clamped to --max-batch-tokens %d", max_len, s.max_batch_tokens)
         max_len = s.max_batch_tokens
-    check_outputs(s.outputs, info)
+    return max_len
+
+
+def default_prompt(s: Settings, info: ModelInfo) -> str | None:
+    """The prompt every input gets unless its request names one."""
     if s.default_prompt_name and s.default_prompt_name not in info.prompts:
         raise ModelError(f"--default-prompt-name {s.default_prompt_name!r} is not one of {sorted(info.prompts)}")
     if s.default_prompt and s.default_prompt_name:
         raise ModelError("--default-prompt and --default-prompt-name are mutually exclusive")
+    return info.prompts[s.default_prompt_name] if s.default_prompt_name else s.default_prompt
+
+
+def space_of(s: Settings, info: ModelInfo) -> EmbeddingSpace:
+    """The embedding space this server's vectors belong to (core/space.py)."""
+    return fingerprint(info, quantize=s.quantize, default_prompt=default_prompt(s, info),
+                       max_input_length=effective_max_input_length(s, info))
+
+
+def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
+    t0 = time.perf_counter()
+    info = load_model_info(s.model_id, s.pooling, s.revision)
+    max_len = effective_max_input_length(s, info)
+    check_outputs(s.outputs, info)
+    space = space_of(s, info)
     workers = s.tokenization_workers or max(1, min(64, (os.cpu_count() or 2) - 1))
     tokenizers = TokenizerPool(str(info.path / "tokenizer.json"), workers)
     backend = make_backend(s, info, tokenizers.tokenizer)
@@ -153,4 +173,4 @@ def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
     graphs = getattr(backend, "_graphs", None)
     if graphs is not None:  # torch on CUDA: capture the one-query shapes now, not on the first request
         graphs.capture_small(min(max_len, 128))
-    return Service(s, info, backend, engine, tokenizers, max_len, time.perf_counter() - t0)
+    return Service(s, info, backend, engine, tokenizers, max_len, time.perf_counter() - t0, space)

@@ -170,6 +170,21 @@ def test_status_reports_the_commit_the_newest_ready_pod_serves():
     assert st["model"]["commit"] == sha_new and "int8_cosine 0.9967" in st["model"]["prepared"]
 
 
+def test_status_names_the_space_the_ready_replicas_serve_and_says_when_they_disagree():
+    def prepared(space):
+        report = {"commit": None, "space": space, "graph": "model.onnx"}
+        return {"name": "prepare", "state": {"terminated": {"reason": "Completed", "exitCode": 0,
+                                                            "message": "prepared " + json.dumps(report)}}}
+
+    same = [_pod(n, init=prepared("aaaa000011112222"), created=f"2026-01-01T1{i}:00:00Z") for i, n in enumerate("ab")]
+    st = ST.compute(defaulted(es(INGEST)), ST.Observed(deployment=deployment(), pods=same), R.Options(), now=NOW)
+    assert st["model"]["space"] == "aaaa000011112222" and "space" not in st["model"]["prepared"]
+    mixed = same + [_pod("c", init=prepared("bbbb000011112222"), created="2026-01-01T13:00:00Z"),
+                    _pod("d", ready=False, init=prepared("cccc000011112222"), created="2026-01-01T14:00:00Z")]
+    st = ST.compute(defaulted(es(INGEST)), ST.Observed(deployment=deployment(), pods=mixed), R.Options(), now=NOW)
+    assert st["model"]["space"] == "bbbb000011112222,aaaa000011112222"  # newest first; a pod not ready serves nothing
+
+
 def test_rollout_override_lets_one_gpu_replica_surge():
     spec = copy.deepcopy(MIG)
     spec["rollout"] = {"maxSurge": 1, "maxUnavailable": 0}

@@ -146,14 +146,18 @@ def create_app(settings: Settings, service=None,
             "parallel_forwards": svc.engine.workers,
             "max_client_batch_size": s.max_client_batch_size, "auto_truncate": s.auto_truncate,
             "tokenization_workers": svc.tokenizers.workers, "version": __version__, "sha": None,
+            # the embedding space the vectors belong to (core/space.py): the `embedding-space` header's value
+            "embedding_space": svc.space.fingerprint if svc.space else None,
+            "embedding_space_inputs": svc.space.inputs if svc.space else None,
             "docker_label": None, "prompts": sorted(i.prompts), **routes_m3.m3_info(svc),
         })
 
     inner = app
     if os.environ.get("EMBEDOPS_FAST_PATH", "1") != "0":  # the embedding routes without FastAPI's machinery
         inner = FastPath(app, settings.payload_limit)
-    outer = DrainMiddleware(TimingMiddleware(GuardMiddleware(inner, settings.payload_limit, settings.api_key)),
-                            app.state.embedops)
+    state = app.state.embedops
+    outer = DrainMiddleware(TimingMiddleware(GuardMiddleware(inner, settings.payload_limit, settings.api_key),
+                                             space=state.space_header), state)
     if settings.cors_allow_origin:
         from starlette.middleware.cors import CORSMiddleware
 

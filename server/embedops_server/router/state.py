@@ -26,6 +26,16 @@ class AppState:
         self.started = time.time()  # the OpenAI model card's `created`
         # How many HTTP requests the server holds, begun or not (set by router/server.py; None: not known).
         self.requests_in_flight = None
+        self._space_header: tuple | None = None  # (service, its header value), made once
+
+    def space_header(self) -> bytes | None:
+        """The `embedding-space` header's value: the loaded model's fingerprint (core/space.py)."""
+        svc = self.service
+        if svc is None or svc.space is None:
+            return None
+        if self._space_header is None or self._space_header[0] is not svc:
+            self._space_header = (svc, svc.space.fingerprint.encode())
+        return self._space_header[1]
 
     def alone(self) -> bool:
         """Is the request calling this the only one the HTTP server holds? uvicorn makes a request's task when

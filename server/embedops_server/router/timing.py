@@ -47,8 +47,12 @@ def server_timing(req, t_received: float, now: float) -> bytes:
 
 
 class TimingMiddleware:
-    def __init__(self, app):
+    """Adds `Server-Timing`, and the `embedding-space` header (core/space.py) that every response the model
+    answered carries: `space()` gives its value (None before the model is loaded)."""
+
+    def __init__(self, app, space=None):
         self.app = app
+        self.space = space or (lambda: None)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -60,8 +64,12 @@ class TimingMiddleware:
                 req = scope.get(ENGINE_REQUEST_KEY)
                 if req is not None:
                     message = dict(message)
-                    message["headers"] = [*message.get("headers", ()),
-                                          (b"server-timing", server_timing(req, t_received, time.perf_counter()))]
+                    headers = [*message.get("headers", ()),
+                               (b"server-timing", server_timing(req, t_received, time.perf_counter()))]
+                    space = self.space()
+                    if space is not None:
+                        headers.append((b"embedding-space", space))
+                    message["headers"] = headers
             await send(message)
 
         return await self.app(scope, receive, send_timed)
