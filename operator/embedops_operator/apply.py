@@ -16,6 +16,7 @@ instead of being taken over (controller-runtime's `AlreadyOwnedError`, Crossplan
 """
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import os
@@ -341,6 +342,24 @@ class Kube:
             if exc.status not in (404, 409):
                 raise
 
+    def event(self, obj: dict, kind: str, reason: str, message: str) -> None:
+        """A core/v1 Event about `obj` (what `kubectl describe` and `kubectl events` show). Best effort: a
+        refused or failed event is logged, never raised (it is a record, not the change it records)."""
+        meta = obj["metadata"]
+        now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {"apiVersion": "v1", "kind": "Event",
+                "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                "involvedObject": {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "name": meta["name"],
+                                   "namespace": meta["namespace"], "uid": meta.get("uid")},
+                "reason": reason, "message": message[:1024], "type": kind, "count": 1,
+                "firstTimestamp": now, "lastTimestamp": now, "source": {"component": "embedops-operator"},
+                "reportingComponent": "embedops.dev/operator",
+                "reportingInstance": os.environ.get("POD_NAME", "embedops-operator")}
+        try:
+            self.request("POST", f"/api/v1/namespaces/{meta['namespace']}/events", body=body)
+        except Exception as exc:  # noqa: BLE001 - see above
+            log.warning("event %s on %s/%s not recorded: %s", reason, meta["namespace"], meta["name"], exc)
+
     def patch_status(self, resource: dict, status: dict) -> dict:
         meta = resource["metadata"]
         self.writes += 1
@@ -509,15 +528,14 @@ def ownership_conflict(desired: dict, live: dict | None) -> Conflict | None:
     if kind == "ConfigMap":
         if ((live.get("metadata") or {}).get("labels") or {}).get(render.LABEL_LITELLM) == "true":
             return None
-        return Conflict(kind, name, f"exists without the label {render.LABEL_LITELLM}=true: the operator writes "
-                                    "LiteLLM entries only into a ConfigMap it created or one labelled so")
+        return Conflict(kind, name, f"exists without the label {render.LABEL_LITELLM}=true (label it to let "
+                                    "embedops write LiteLLM entries into it)")
     want, have = controller_of(desired), controller_of(live)
     if want is not None and have is not None and have.get("uid") == want.get("uid"):
         return None
     if have is None:
         return Conflict(kind, name, "exists and was not created by this EmbeddingService (it has no controller "
-                                    "reference): the operator never takes over or deletes an object it did not "
-                                    "create; delete or rename that object, or give the EmbeddingService another name")
+                                    "reference)")
     same = want is not None and have.get("kind") == want.get("kind") and have.get("name") == want.get("name")
     owner = f"{have.get('kind')} {have.get('name')}" + (f" (uid {have.get('uid')}, a deleted one of the same "
                                                        "name: the garbage collector removes it)" if same else "")
@@ -591,13 +609,14 @@ def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> Appli
     return out
 
 
-def prune(kube: Kube, resource: dict, desired: list[dict], capabilities: frozenset) -> list[str]:
+def prune(kube: Kube, resource: dict, desired: list[dict], capabilities: frozenset,
+          keep: set[tuple[str, str]] = frozenset()) -> list[str]:
     """Delete children this EmbeddingService controls that are no longer rendered (e.g. HPA → ScaledObject).
     Only objects whose controller reference is this EmbeddingService (by uid) are candidates, whatever their
     labels say; the delete carries the object's uid as a precondition."""
     meta = resource["metadata"]
     uid, ns, name = meta.get("uid"), meta["namespace"], meta["name"]
-    keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
+    keep = {(o["kind"], o["metadata"]["name"]) for o in desired} | set(keep)
     selector = f"{render.LABEL_MANAGED_BY}={render.MANAGER},{render.LABEL_SERVICE}={name}"
     deleted = []
     for api_version, kind in OWNED_KINDS:

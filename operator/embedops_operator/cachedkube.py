@@ -85,6 +85,9 @@ class CachedKube:
             self._put(out)
         return out
 
+    def event(self, obj: dict, kind: str, reason: str, message: str) -> None:
+        self.kube.event(obj, kind, reason, message)
+
     def delete(self, api_version: str, kind: str, namespace: str, name: str, uid: str | None = None) -> None:
         self.kube.delete(api_version, kind, namespace, name, uid=uid)
         inf = self.informer_for(api_version, kind, namespace)

@@ -16,10 +16,11 @@ from typing import Callable
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
-from . import apply, litellm, memory, render, status, upgrades
+from . import apply, litellm, memory, render, spaces, status, upgrades
 from .spec import API_VERSION, KIND, parse as parse_resource
 
 log = logging.getLogger("embedops.reconcile")
+SPACES_MANAGER = "embedops-spaces"  # the field manager of the tracks' serving/retired annotations
 # lastTransitionTime has one-second resolution: recheck a little after the stall deadline, not on it.
 RECHECK_MARGIN = 1.0
 
@@ -79,9 +80,12 @@ class Reconciler:
             options = self.options()
             observed = status.Observed()
             manifests: list[dict] | None = None
+            plan: spaces.Plan | None = None
             try:
-                pins = self.pins((namespace, name), resource, options, observed)
-                manifests = render.render(resource, options, pins)
+                plan = self.space_plan(resource, options)
+                tracks = self.tracks(resource, plan)
+                pins = self.pins((namespace, name), resource, options, observed, tracks)
+                manifests = render.render(resource, options, pins, tracks)
             except ValidationError as exc:
                 observed.invalid = "; ".join(
                     f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
@@ -104,7 +108,10 @@ class Reconciler:
                                         "; ".join(observed.conflicts))
                             with self._guard:
                                 self.unfinished.add((namespace, name))
-                        pruned = apply.prune(self.kube, resource, manifests, options.capabilities)
+                        # the track that still serves (or is kept for a rollback) is not rendered: not pruned
+                        kept = {("Deployment", t.name) for t in plan.tracks if t is not plan.spec}
+                        pruned = apply.prune(self.kube, resource, manifests, options.capabilities, kept)
+                        written += self._record_tracks(resource, plan)
                         # a changed or dropped litellm.configMapName leaves a key in the old ConfigMap; only a
                         # spec change can do that, so pod and status events skip this LIST
                         meta, st = resource["metadata"], resource.get("status") or {}
@@ -135,10 +142,19 @@ class Reconciler:
             if manifests is not None and "routes" not in observed.missing \
                     and any((m["apiVersion"], m["kind"]) == render.HTTPROUTE for m in manifests):
                 observed.route = self.kube.get(*render.HTTPROUTE, namespace, name)
-            observed.deployment = self.kube.get("apps/v1", "Deployment", namespace, name)
+            serving = plan.serving.name if plan is not None else name
+            observed.deployment = self.kube.get("apps/v1", "Deployment", namespace, serving)
             if manifests is not None and render.scales_to_zero(spec, options):  # spec: parsed above
                 observed.activator = self.kube.get("apps/v1", "Deployment", namespace, render.activator_name(name))
-            observed.pods = self.kube.list("v1", "Pod", namespace, render.selector_string(name))
+            pods = self.kube.list("v1", "Pod", namespace, f"{render.LABEL_SERVICE}={name}")
+            by_track: dict[str, list[dict]] = {}
+            for pod in pods:
+                by_track.setdefault(((pod.get("metadata") or {}).get("labels") or {}).get(render.LABEL_INSTANCE), []
+                                    ).append(pod)
+            observed.pods = by_track.get(serving, [])
+            if plan is not None and render.detect_task(spec.model) in spaces.MIGRATING_TASKS:
+                observed.spaces = self._space_status(resource, plan, by_track, options)
+                observed.space_waiting = plan.waiting
             written = self.write_status(resource, observed, options)
             self._release_upgrade((namespace, name), written or resource.get("status") or {})
             wait = status.stall_check_in(observed.pods, dt.datetime.now(dt.timezone.utc), self.settings.stall_after)
@@ -148,21 +164,100 @@ class Reconciler:
 
     # ------------------------------------------------------------------ pod templates across operator upgrades
     def pins(self, key: tuple[str, str], resource: dict, options: render.Options,
-             observed: status.Observed) -> render.Pins:
+             observed: status.Observed, tracks: render.Tracks) -> render.Pins:
         """What the service's Deployments are rendered with besides the spec (upgrades.py): a running Deployment
         keeps the template revision and image it was written with until its spec changes the template, or until
         the operator rolls it (pod upgrades "Roll": at most `max_concurrent_upgrades` services at a time)."""
         spec = parse_resource(resource).spec
         ns, name = key
         owner = render.owner_reference(resource)
-        server = self._choose(key, options, self._own_deployment(resource, name),
-                              lambda pin: render.deployment(name, ns, spec, options, owner, pin), observed, "server")
+        server = self._choose(key, options, self._own_deployment(resource, tracks.spec),
+                              lambda pin: render.deployment(name, ns, spec, options, owner, pin, tracks.spec,
+                                                            tracks.replicas), observed, "server")
         activator = render.Pin()
         if render.scales_to_zero(spec, options):
             activator = self._choose(key, options, self._own_deployment(resource, render.activator_name(name)),
                                      lambda pin: render.activator_deployment(name, ns, spec, options, owner, pin),
                                      observed, "activator")
         return render.Pins(server, activator)
+
+    # ------------------------------------------------------------------ embedding spaces (spaces.py)
+    def space_plan(self, resource: dict, options: render.Options) -> spaces.Plan:
+        """Which model Deployment serves the service's address and which the spec renders: one, but while a change
+        of the embedding space is under way."""
+        es = parse_resource(resource)
+        spec, meta = es.spec, resource["metadata"]
+        ns, name, uid = meta["namespace"], meta["name"], meta.get("uid")
+        decl = spaces.declaration(render.deployment(name, ns, spec, options, None))
+        selector = f"{render.LABEL_SERVICE}={name},{render.LABEL_NAME}=embedops-server"
+        live = [d for d in self.kube.list("apps/v1", "Deployment", ns, selector)
+                if (apply.controller_of(d) or {}).get("uid") == uid]
+        model_service = render.backend_name(name) if render.scales_to_zero(spec, options) else name
+        svc = self.kube.get("v1", "Service", ns, model_service)
+        serving = None
+        if svc is not None and (apply.controller_of(svc) or {}).get("uid") == uid:
+            serving = ((svc.get("spec") or {}).get("selector") or {}).get(render.LABEL_INSTANCE)
+        served = frozenset(x.get("key") for x in (resource.get("status") or {}).get("spaces") or []
+                           if x.get("serving") and x.get("since"))
+        return spaces.plan(name, render.detect_task(spec.model), decl, live, serving, spec.migration, None,
+                           dt.datetime.now(dt.timezone.utc), served)
+
+    @staticmethod
+    def tracks(resource: dict, plan: spaces.Plan) -> render.Tracks:
+        spec = parse_resource(resource).spec
+        replicas = None
+        if plan.spec is not plan.serving:  # a candidate: fixed replicas (the autoscaler scales the serving track)
+            replicas = max(spec.autoscaling.min_replicas, 1) if spec.autoscaling else max(spec.replicas, 1)
+        return render.Tracks(plan.spec.name, plan.serving.name, replicas,
+                             tuple((t.key, t.name) for t in plan.tracks) if plan.migrating else ())
+
+    def _record_tracks(self, resource: dict, plan: spaces.Plan) -> list[str]:
+        """When a track stopped serving (an annotation on its Deployment under its own field manager: nothing rolls;
+        a track that serves again after a rollback loses it), and the plan's events."""
+        now = status.format_time(dt.datetime.now(dt.timezone.utc))
+        ns = resource["metadata"]["namespace"]
+        written = []
+        marks = [(plan.serving, None)] + [(t, now) for t in plan.previous]
+        for track, retired in marks:
+            live = self.kube.get("apps/v1", "Deployment", ns, track.name)
+            has = ((live or {}).get("metadata") or {}).get("annotations") or {}
+            if live is None or (spaces.ANNOTATION_RETIRED in has) == (retired is not None):
+                continue
+            meta: dict = {"name": track.name, "namespace": ns}
+            if retired is not None:
+                meta["annotations"] = {spaces.ANNOTATION_RETIRED: retired}
+            # an intent without the annotation removes it: this manager owns nothing else
+            self.kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta}, manager=SPACES_MANAGER)
+            written.append(f"Deployment/{track.name} ({'retired' if retired else 'serving again'})")
+        for kind, reason, message in plan.events:
+            self.kube.event(resource, kind, reason, message)
+            log.info("%s/%s: %s: %s", ns, resource["metadata"]["name"], reason, message)
+        return written
+
+    def _space_status(self, resource: dict, plan: spaces.Plan, pods: dict[str, list[dict]],
+                      options: render.Options) -> list[dict]:
+        es = parse_resource(resource)
+        ns, name = resource["metadata"]["namespace"], resource["metadata"]["name"]
+        before = (resource.get("status") or {}).get("spaces") or []
+        now = status.format_time(dt.datetime.now(dt.timezone.utc))
+        out = []
+        for t in plan.tracks:
+            live = self.kube.get("apps/v1", "Deployment", ns, t.name)
+            track = spaces.Track(t.name, t.key, t.decl, live)
+            available, want = track.ready
+            role = "serving" if t is plan.serving else "candidate" if t is plan.spec else "previous"
+            if role == "serving":  # since it first answered at the service's address: what the status remembers
+                since = next((x.get("since") for x in before if x.get("key") == t.key and x.get("serving")), None)
+                served = since or (now if track.up else None)
+            else:
+                served = track.annotation(spaces.ANNOTATION_RETIRED) if role == "previous" else None
+            entry = {"key": t.key, "model": spaces.describe(t.decl), "deployment": t.name,
+                     "fingerprint": status.served_space(pods.get(t.name, [])), "ready": f"{available}/{want}",
+                     "serving": t is plan.serving, "role": role, "since": served}
+            if plan.migrating:
+                entry["url"] = render.service_url(spaces.space_service_name(name, t.key), ns, es.spec, options)
+            out.append({k: v for k, v in entry.items() if v is not None})
+        return out
 
     def _own_deployment(self, resource: dict, name: str) -> dict | None:
         live = self.kube.get("apps/v1", "Deployment", resource["metadata"]["namespace"], name)

@@ -27,6 +27,7 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 LABEL_SERVICE = "embedops.dev/service"
+LABEL_SPACE = "embedops.dev/space"  # on a space's own Service: its key
 LABEL_LITELLM = "embedops.dev/litellm"  # on ConfigMaps holding LiteLLM entries, so stale ones can be found
 ANNOTATION_HASH = "embedops.dev/applied-hash"
 
@@ -144,6 +145,20 @@ def pinned(live: dict | None) -> Pin | None:
     return Pin(min(max(revision, 0), TEMPLATE_REVISION), containers[0].get("image"))
 
 
+@dataclass(frozen=True)
+class Tracks:
+    """Which model Deployment the spec renders and which one the service's address serves (spaces.py): both the
+    service's own name unless a change of the embedding space is under way."""
+    spec: str  # the spec's track: its Deployment's name and its pods' app.kubernetes.io/instance
+    serving: str  # the track the service's Service (or, scaled to zero, its backend Service) selects
+    replicas: int | None = None  # the spec's track's replicas while it does not serve (None: as the spec says)
+    spaces: tuple[tuple[str, str], ...] = ()  # (key, track) of every running track, during a migration
+
+    @classmethod
+    def single(cls, name: str) -> "Tracks":
+        return cls(name, name)
+
+
 # ---------------------------------------------------------------------------------------------------- helpers
 
 def detect_task(model: ModelSpec) -> str:
@@ -199,6 +214,11 @@ def common_labels(name: str, task: str) -> dict[str, str]:
         LABEL_MANAGED_BY: MANAGER,
         LABEL_SERVICE: name,
     }
+
+
+def track_labels(service_name: str, track: str, task: str) -> dict[str, str]:
+    """A track's labels: the service's, with the track as the instance (its own selector)."""
+    return {**common_labels(service_name, task), LABEL_INSTANCE: track}
 
 
 def service_url(name: str, namespace: str, spec: EmbeddingServiceSpec, options: Options) -> str:
@@ -362,7 +382,9 @@ def ephemeral_storage(volumes: list[dict]) -> dict[str, str]:
     return {"requests": sizing.quantity(total), "limits": sizing.quantity(total + LOG_STORAGE)}
 
 
-def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: Pin = Pin()) -> dict:
+def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: Pin = Pin(),
+                 service_name: str | None = None) -> dict:
+    """The model server's pods of track `name` (the service `service_name`, by default the same)."""
     task = detect_task(spec.model)
     gpu = not spec.accelerator.cpu
     image = spec.image or pin.image or (options.cuda_image if gpu else options.cpu_image)
@@ -478,7 +500,7 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: P
         pod_spec["serviceAccountName"] = spec.service_account_name
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
-    metadata: dict[str, Any] = {"labels": common_labels(name, task)}
+    metadata: dict[str, Any] = {"labels": track_labels(service_name or name, name, task)}
     if spec.pod_annotations:
         metadata["annotations"] = dict(sorted(spec.pod_annotations.items()))
     return {"metadata": metadata, "spec": pod_spec}
@@ -570,8 +592,11 @@ def pin_annotations(meta: dict, pin: Pin, template: dict) -> dict:
 
 
 def deployment(name: str, ns: str, spec: EmbeddingServiceSpec, options: Options, owner: dict | None,
-               pin: Pin = Pin()) -> dict:
-    labels = common_labels(name, detect_task(spec.model))
+               pin: Pin = Pin(), track: str | None = None, replicas: int | None = None) -> dict:
+    """The model server's Deployment of the service `name`: the track `track` (its name and its pods' instance
+    label; the service's own name but during a change of the embedding space), with `replicas` when given."""
+    service_name, name = name, track or name
+    labels = track_labels(service_name, name, detect_task(spec.model))
     if spec.accelerator.cpu:
         rolling: dict[str, Any] = {"maxSurge": 1, "maxUnavailable": 0}
     else:  # the old pod gives its slice/GPU up first: no deadlock when no spare accelerator exists
@@ -583,23 +608,41 @@ def deployment(name: str, ns: str, spec: EmbeddingServiceSpec, options: Options,
             rolling["maxUnavailable"] = spec.rollout.max_unavailable
     strategy = {"type": "RollingUpdate", "rollingUpdate": rolling}
     dspec: dict[str, Any] = {}
-    if not spec.autoscaling:
+    if replicas is not None:
+        dspec["replicas"] = replicas
+    elif not spec.autoscaling:
         dspec["replicas"] = spec.replicas
     dspec.update({
         "revisionHistoryLimit": 3,
         "progressDeadlineSeconds": 600,
         "selector": {"matchLabels": selector_labels(name)},
         "strategy": strategy,
-        "template": pod_template(name, spec, options, pin),
+        "template": pod_template(name, spec, options, pin, service_name),
     })
     return {"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": pin_annotations(_meta(name, ns, labels, owner), pin, dspec["template"]), "spec": dspec}
 
 
-def service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
+def service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, serving: str | None = None) -> dict:
+    """The service's address: selects the pods of the track that serves (`serving`, by default its own name)."""
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner),
-            "spec": {"type": spec.service.type, "selector": selector_labels(name),
+            "spec": {"type": spec.service.type, "selector": selector_labels(serving or name),
+                     "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http",
+                                "protocol": "TCP", "appProtocol": "http"}]}}
+
+
+def space_service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, key: str,
+                  track: str) -> dict:
+    """A space's own address during a migration, `<name>-<key>` (ClusterIP): its reindex Job and clients that
+    must reach that space whichever one serves the service's address. Its instance label is its own, so the
+    ServiceMonitor (which selects the service's Service) does not scrape a pod twice."""
+    from .spaces import space_service_name
+
+    svc_name = space_service_name(name, key)
+    labels = {**common_labels(name, detect_task(spec.model)), LABEL_INSTANCE: svc_name, LABEL_SPACE: key}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(svc_name, ns, labels, owner),
+            "spec": {"type": "ClusterIP", "selector": selector_labels(track),
                      "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http",
                                 "protocol": "TCP", "appProtocol": "http"}]}}
 
@@ -635,10 +678,11 @@ def activator_labels(name: str) -> dict[str, str]:
     return {**common_labels(name, "embed"), **activator_selector(name), LABEL_COMPONENT: "activator"}
 
 
-def backend_service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
+def backend_service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None,
+                    serving: str | None = None) -> dict:
     """The model pods' Service behind the activator: what the activator forwards to and the ServiceMonitor
     selects (ClusterIP whatever spec.service.type says: only the activator calls it)."""
-    svc = service(name, ns, spec, owner)
+    svc = service(name, ns, spec, owner, serving)
     svc["metadata"]["name"] = backend_name(name)
     svc["spec"]["type"] = "ClusterIP"
     return svc
@@ -749,7 +793,8 @@ def http_route(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | Non
             "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner), "spec": route_spec}
 
 
-def scaled_object(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, options: Options) -> dict:
+def scaled_object(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, options: Options,
+                  target: str | None = None) -> dict:
     a = spec.autoscaling
     assert a is not None
     to_zero = scales_to_zero(spec, options)
@@ -766,7 +811,7 @@ def scaled_object(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | 
             "targetValue": "1000000", "activationTargetValue": "0"}})
     return {"apiVersion": SCALEDOBJECT[0], "kind": SCALEDOBJECT[1],
             "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner),
-            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": target or name},
                      "minReplicaCount": a.min_replicas, "maxReplicaCount": a.max_replicas,
                      "pollingInterval": ZERO_POLLING_SECONDS if to_zero else 15, "cooldownPeriod": a.cooldown_seconds,
                      # KEDA's cooldownPeriod only delays the last step to zero; scaling down from N to the
@@ -777,12 +822,12 @@ def scaled_object(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | 
                      "triggers": triggers}}
 
 
-def hpa(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
+def hpa(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, target: str | None = None) -> dict:
     a = spec.autoscaling
     assert a is not None
     return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
             "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner),
-            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": target or name},
                      "minReplicas": max(a.min_replicas, 1), "maxReplicas": a.max_replicas,
                      "metrics": [{"type": "Pods", "pods": {
                          "metric": {"name": "te_queue_size"},
@@ -790,13 +835,13 @@ def hpa(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> d
                      "behavior": {"scaleDown": {"stabilizationWindowSeconds": a.cooldown_seconds}}}}
 
 
-def pdb(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict | None:
+def pdb(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, serving: str | None = None) -> dict | None:
     floor = spec.autoscaling.min_replicas if spec.autoscaling else spec.replicas
     if floor <= 1:
         return None
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner),
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}}}
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(serving or name)}}}
 
 
 _LITELLM = Environment(undefined=StrictUndefined, keep_trailing_newline=True, autoescape=False).from_string(
@@ -846,13 +891,17 @@ def owner_reference(resource: dict) -> dict | None:
             "controller": True, "blockOwnerDeletion": True}
 
 
-def render(resource: dict, options: Options | None = None, pins: Pins | None = None) -> list[dict]:
+def render(resource: dict, options: Options | None = None, pins: Pins | None = None,
+           tracks: Tracks | None = None) -> list[dict]:
     """All manifests the operator applies for this EmbeddingService, in apply order.
 
     Optional kinds absent from `options.capabilities` are left out (status reports them).
     Each manifest carries an `embedops.dev/applied-hash` annotation of its own content.
     `pins`: what the Deployments' pod templates are rendered with besides the spec (default: the latest
     revision and the operator's images; the reconciler passes what running Deployments are pinned to).
+    `tracks`: which model Deployment the spec renders and which one the service's address serves (default: one,
+    the service's own name; the reconciler passes spaces.plan's during a change of the embedding space). Only
+    the spec's track is rendered: another one that still runs (the previous space) is left as it is.
     """
     options = options or Options()
     pins = pins or Pins()
@@ -860,16 +909,18 @@ def render(resource: dict, options: Options | None = None, pins: Pins | None = N
     name = es.metadata["name"]
     ns = es.metadata.get("namespace") or "default"
     spec = es.spec
+    tracks = tracks or Tracks.single(name)
     owner = owner_reference(resource)
     to_zero = scales_to_zero(spec, options)
-    out: list[dict] = [deployment(name, ns, spec, options, owner, pins.server)]
+    out: list[dict] = [deployment(name, ns, spec, options, owner, pins.server, tracks.spec, tracks.replicas)]
     if to_zero:  # the activator first, so its pod is starting when the Service's selector moves to it
         out += [activator_deployment(name, ns, spec, options, owner, pins.activator),
-                backend_service(name, ns, spec, owner),
+                backend_service(name, ns, spec, owner, tracks.serving),
                 activator_service(name, ns, spec, owner)]
     else:
-        out.append(service(name, ns, spec, owner))
-    budget = pdb(name, ns, spec, owner)
+        out.append(service(name, ns, spec, owner, tracks.serving))
+    out += [space_service(name, ns, spec, owner, key, track) for key, track in tracks.spaces]
+    budget = pdb(name, ns, spec, owner, tracks.serving)
     if budget:
         out.append(budget)
     if spec.monitoring.service_monitor.enabled and SERVICEMONITOR in options.capabilities:
@@ -878,9 +929,9 @@ def render(resource: dict, options: Options | None = None, pins: Pins | None = N
         out.append(http_route(name, ns, spec, owner))
     scaler = autoscaler_kind(spec, options)
     if scaler == "keda" and SCALEDOBJECT in options.capabilities:
-        out.append(scaled_object(name, ns, spec, owner, options))
+        out.append(scaled_object(name, ns, spec, owner, options, tracks.serving))
     elif scaler == "hpa":
-        out.append(hpa(name, ns, spec, owner))
+        out.append(hpa(name, ns, spec, owner, tracks.serving))
     if spec.litellm:
         out.append(litellm_config_map(name, ns, spec, options))
     for obj in out:

@@ -291,6 +291,36 @@ class Rollout(Model):
     max_unavailable: IntOrPercent | None = None
 
 
+class Reindex(Model):
+    """A Job the operator runs against a new embedding space before it serves: the user's own ingestion image,
+    re-embedding the corpus into the new space's table or column through the space's own address. It gets
+    EMBEDOPS_SPACE (the space's key), EMBEDOPS_SPACE_URL (its Service), EMBEDOPS_SPACE_FINGERPRINT (what its
+    responses' embedding-space header says) and EMBEDOPS_PREVIOUS_SPACE (the key that serves meanwhile)."""
+    template: FreeObject = Field(description="The Job's pod template (a PodTemplateSpec: metadata and spec).")
+    backoff_limit: int = Field(2, ge=0, le=100, description="Retries before the Job (and the migration) fails.")
+    active_deadline_seconds: int | None = Field(None, ge=1, description="The Job's time limit.")
+
+
+class Migration(Model):
+    """What a change of the embedding space does (model.id, revision, pooling, prompts, quantize,
+    maxInputLength, source): the new space comes up beside the old one, at an address of its own, and the
+    service's address keeps answering from the old space until the new one is promoted."""
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, json_schema_extra={
+        "x-kubernetes-validations": [
+            cel("!has(self.promotion) || self.promotion != 'AfterReindex' || has(self.reindex)",
+                "migration.promotion AfterReindex needs migration.reindex (the Job whose success promotes)"),
+        ]})
+    promotion: Literal["Manual", "AfterReindex", "Immediate"] = Field("Manual", description=(
+        "Manual: the new space serves the service's address once migration.promote names it. AfterReindex: once "
+        "the reindex Job succeeded. Immediate: once it is ready (no reindex: for indexes rebuilt elsewhere)."))
+    promote: str | None = Field(None, pattern=r"^[0-9a-f]{8}$", description=(
+        "The key of the space (status.spaces) that serves the service's address: promotes a new space, or rolls "
+        "back to the previous one while it is kept."))
+    keep_previous_seconds: int = Field(86400, ge=0, description=(
+        "How long the previous space keeps running after a promotion (rollback is switching back meanwhile)."))
+    reindex: Reindex | None = None
+
+
 class ServiceSpec(Model):
     type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     port: int = Field(80, ge=1, le=65535)
@@ -360,6 +390,9 @@ class EmbeddingServiceSpec(Model):
     api_key_secret_ref: SecretKeyRef | None = Field(None, description="Secret key holding the API key (env API_KEY).")
     drain_seconds: int = Field(15, ge=0, le=600, description="preStop delay that lets in-flight requests finish.")
     rollout: Rollout | None = None
+    migration: Migration = Field(default_factory=Migration, json_schema_extra={"default": {}}, description=(
+        "Embedders (embed, sparse): how a change of the embedding space is rolled out. Rerankers and classifiers "
+        "store nothing and roll in place."))
     # pod-level overrides
     image: str | None = None
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
@@ -416,6 +449,20 @@ class PodTemplateStatus(Model):
     pending: str | None = Field(None, description="What a newer operator would change, and when it will.")
 
 
+class SpaceStatus(Model):
+    key: str = Field(description="The space's key (what migration.promote names).")
+    model: str | None = Field(None, description="What the space is: the model and the settings that shape its vectors.")
+    deployment: str | None = None
+    url: str | None = Field(None, description="The space's own address (during a migration).")
+    fingerprint: str | None = Field(None, description="Its replicas' embedding-space header.")
+    ready: str | None = Field(None, description="ready/desired replicas.")
+    serving: bool = Field(False, description="Whether it answers at the service's address.")
+    role: str | None = Field(None, description="serving, candidate (the spec's, not yet promoted) or previous (kept "
+                                               "for rollback).")
+    since: str | None = Field(None, description="serving: when it was promoted; previous: when it stopped serving.")
+    reindex: str | None = Field(None, description="The reindex Job and its state.")
+
+
 class EmbeddingServiceStatus(Model):
     observed_generation: int | None = None
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
@@ -432,6 +479,9 @@ class EmbeddingServiceStatus(Model):
     endpoints: Endpoints | None = None
     memory: MemoryStatus | None = None
     model: ServedModel | None = None
+    spaces: list[SpaceStatus] | None = Field(None, description=(
+        "The embedding spaces this service runs: the one serving its address and, during a migration, the "
+        "spec's new one and the previous one kept for rollback."))
     pod_templates: list[PodTemplateStatus] | None = Field(None, description=(
         "Deployments whose pods keep an older template revision or image of the operator's across its upgrades "
         "(absent when all run the latest)."))

@@ -18,6 +18,9 @@ from .spec import EmbeddingServiceSpec, parse as parse_resource
 
 IMAGE_PULL = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
 CONFIG_ERRORS = {"CreateContainerConfigError", "CreateContainerError"}
+# after the list of children in conflict (apply.Conflict): what to do about them
+CONFLICT_ADVICE = ("the operator never takes over or deletes an object it did not create: delete or rename it, or "
+                   "give the EmbeddingService another name")
 FEATURE_CONDITIONS = {"monitoring": "MonitoringReady", "routes": "RoutesReady", "autoscaling": "AutoscalingReady"}
 
 
@@ -37,6 +40,9 @@ class Observed:
     # Deployment ("server", "activator") -> (the pin it keeps, what it leaves out): upgrades.choose kept an older
     # template revision or image for it
     pod_templates: dict[str, tuple[Any, str]] = field(default_factory=dict)
+    # the embedding spaces that run (spaces.plan, as status.spaces entries) and why the spec's does not serve yet
+    spaces: list[dict] = field(default_factory=list)
+    space_waiting: str | None = None
 
 
 def _parse_time(value: str | None) -> dt.datetime | None:
@@ -45,7 +51,7 @@ def _parse_time(value: str | None) -> dt.datetime | None:
     return dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
-def _fmt(now: dt.datetime) -> str:
+def format_time(now: dt.datetime) -> str:
     return now.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -123,7 +129,7 @@ def _condition(old: dict[str, dict], ctype: str, status: str, reason: str, messa
     prev = old.get(ctype)
     ltt = prev.get("lastTransitionTime") if prev and prev.get("status") == status else None
     return {"type": ctype, "status": status, "reason": reason, "message": message,
-            "lastTransitionTime": ltt or _fmt(now), "observedGeneration": generation}
+            "lastTransitionTime": ltt or format_time(now), "observedGeneration": generation}
 
 
 def compute(resource: dict, observed: Observed, options: render.Options | None = None,
@@ -147,10 +153,11 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
         spec = None
         observed.invalid = observed.invalid or f"spec rejected by the operator: {exc}"
 
+    serving_space = next((x for x in observed.spaces if x.get("serving")), None)
     if spec is not None:
         status["task"] = render.detect_task(spec.model)
         status["accelerator"] = render.accelerator_summary(spec)
-        status["selector"] = render.selector_string(name)
+        status["selector"] = render.selector_string(serving_space["deployment"] if serving_space else name)
         eps = render.endpoints(name, ns, spec, options)
         status["url"] = eps.get("external") or eps["service"]
         status["endpoints"] = eps
@@ -161,8 +168,11 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
     ready = dstat.get("readyReplicas", 0)
     updated = dstat.get("updatedReplicas", 0)
     available = dstat.get("availableReplicas", 0)
-    if spec is not None and spec.autoscaling:
-        desired = ((dep or {}).get("spec") or {}).get("replicas", spec.autoscaling.min_replicas)
+    candidate = next((x for x in observed.spaces if x.get("role") == "candidate"), None)
+    if spec is not None and (spec.autoscaling or candidate is not None):
+        # autoscaled, or the previous space still serves: its Deployment says how many it runs
+        fallback = spec.autoscaling.min_replicas if spec.autoscaling else spec.replicas
+        desired = ((dep or {}).get("spec") or {}).get("replicas", fallback)
     elif spec is not None:
         desired = spec.replicas
     else:
@@ -183,7 +193,7 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
     elif observed.refused:
         stalled = observed.refused
     elif observed.conflicts:
-        stalled = ("OwnershipConflict", "; ".join(observed.conflicts))
+        stalled = ("OwnershipConflict", "; ".join(observed.conflicts) + "; " + CONFLICT_ADVICE)
     elif dep is not None:
         for dc in dstat.get("conditions") or []:
             if dc.get("type") == "Progressing" and dc.get("reason") == "ProgressDeadlineExceeded":
@@ -211,6 +221,12 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
         cond("Ready", "False", "ApplyFailed", observed.apply_error)
         cond("Reconciling", "True", "ApplyFailed", observed.apply_error)
         cond("Stalled", "False", "ApplyFailed", "")
+    elif rolled_out and candidate is not None and not _up(candidate["ready"]):
+        # the address serves; the spec's new space is still starting beside it
+        msg = f"{ready}/{desired} replicas ready; {observed.space_waiting or 'a new embedding space is starting'}"
+        cond("Ready", "True", "Available", f"{ready}/{desired} replicas ready")
+        cond("Reconciling", "True", "StartingSpace", msg)
+        cond("Stalled", "False", "StartingSpace", "")
     elif rolled_out and not activator_ready:  # the service's address has nothing behind it yet
         msg = f"{ready}/{desired} replicas ready; the activator that answers the service's address is not available"
         cond("Ready", "False", "WaitingForActivator", msg)
@@ -226,12 +242,28 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
             reason, msg = "Creating", "creating the Deployment"
         elif updated < desired:
             reason, msg = "RollingOut", f"{updated}/{desired} replicas updated"
+            rolling = (((dep.get("spec") or {}).get("strategy") or {}).get("rollingUpdate") or {})
+            if str(rolling.get("maxSurge", "")) in ("0", "0%"):
+                # no spare accelerator is assumed (MIG, GPU): the old pod frees its slice first
+                msg += ("; maxSurge 0: each old replica stops before its replacement loads, so the service runs "
+                        f"{max(desired - 1, 0)} replica(s) meanwhile (spec.rollout.maxSurge 1 surges instead where a "
+                        "spare slice exists)")
         else:
             reason, msg = "WaitingForReplicas", f"{ready}/{desired} replicas ready"
         cond("Ready", "False", reason, msg)
         cond("Reconciling", "True", reason, msg)
         cond("Stalled", "False", reason, "")
 
+    if observed.spaces:
+        status["spaces"] = observed.spaces
+        if candidate is None:
+            cond("Promoted", "True", "Serving", f"space {serving_space['key']} serves the service's address"
+                 if serving_space else "")
+        else:
+            reason = ("Starting" if not _up(candidate["ready"]) else "ReindexFailed" if "failed" in (
+                observed.space_waiting or "") else "Reindexing" if "reindex" in (observed.space_waiting or "")
+                      else "AwaitingPromotion")
+            cond("Promoted", "False", reason, observed.space_waiting or "")
     if spec is not None:
         features = {"monitoring": spec.monitoring.service_monitor.enabled, "routes": spec.gateway is not None,
                     "autoscaling": spec.autoscaling is not None}
@@ -306,6 +338,18 @@ def _memory_status(spec: EmbeddingServiceSpec) -> dict | None:
     if est.prepare:
         out["prepare"] = sizing.quantity(est.prepare)
     return out
+
+
+def _up(ready: str) -> bool:
+    available, _, want = ready.partition("/")
+    return int(want or 0) > 0 and int(available or 0) >= int(want)
+
+
+def served_space(pods: list[dict]) -> str | None:
+    """The embedding space(s) the ready pods serve, from their prepare steps' reports (comma-separated, newest
+    first, when they disagree); None when none reports one."""
+    served = _served_model(pods)
+    return (served or {}).get("space")
 
 
 def _served_model(pods: list[dict]) -> dict | None:

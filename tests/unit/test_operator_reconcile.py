@@ -45,6 +45,7 @@ class FakeKube:
         self.writes = 0
         self.caps = capabilities
         self.log: list[str] = []
+        self.events: list[tuple] = []
 
     def key(self, api_version, kind, ns, name):
         return (api_version, kind, ns, name)
@@ -70,8 +71,11 @@ class FakeKube:
         self.rv += 1
         m["resourceVersion"] = str(self.rv)
         m.setdefault("uid", f"uid-{m['name']}-{obj['kind']}")
-        m["generation"] = m.get("generation", 0) + 1
-        self.objects[self.key(obj["apiVersion"], obj["kind"], m["namespace"], m["name"])] = obj
+        key = self.key(obj["apiVersion"], obj["kind"], m["namespace"], m["name"])
+        before = self.objects.get(key)
+        if before is None or before.get("spec") != obj.get("spec"):  # as the API server: metadata is no generation
+            m["generation"] = m.get("generation", 0) + 1
+        self.objects[key] = obj
 
     def apply(self, obj, manager=R.MANAGER, dry_run=False, force=True):
         m = obj["metadata"]
@@ -106,6 +110,10 @@ class FakeKube:
 
     def forget_capabilities(self):
         pass
+
+    def event(self, obj, kind, reason, message):
+        self.log.append(f"event {reason}")
+        self.events.append((obj["metadata"]["name"], kind, reason, message))
 
     def create_service(self, spec, name="svc", ns="ml"):
         obj = defaulted(es(spec, name=name, namespace=ns, generation=0))
@@ -303,7 +311,7 @@ def test_stalled_is_written_when_the_grace_period_ends_without_another_event(kub
     rec = Reconciler(kube, Settings(stall_after=3.0, resync_seconds=3600))
     rec.reconcile("ml", "svc")
     since = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    labels = kube.get("apps/v1", "Deployment", "ml", "svc")["spec"]["selector"]["matchLabels"]
+    labels = kube.get("apps/v1", "Deployment", "ml", "svc")["spec"]["template"]["metadata"]["labels"]
     kube.objects[("v1", "Pod", "ml", "svc-1")] = {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "svc-1", "namespace": "ml", "labels": labels},
         "status": {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",

@@ -272,3 +272,12 @@ def test_kstatus_reads_our_status_like_flux_does():
     out = subprocess.run([binary], input=json.dumps(objs), capture_output=True, text=True, check=True)
     got = {json.loads(line)["name"]: json.loads(line)["status"] for line in out.stdout.splitlines()}
     assert got == {name: want for name, (_, _, want) in cases.items()}
+
+
+def test_a_rollout_that_takes_a_replica_away_says_so():
+    dep = {"metadata": {"generation": 2}, "spec": {"replicas": 1, "strategy": {"rollingUpdate": {
+        "maxSurge": 0, "maxUnavailable": 1}}}, "status": {"observedGeneration": 2, "replicas": 1, "updatedReplicas": 0,
+                                                           "readyReplicas": 1, "availableReplicas": 1}}
+    st = compute(MIG, ST.Observed(deployment=dep))
+    msg = {c["type"]: c for c in st["conditions"]}["Reconciling"]["message"]
+    assert msg.startswith("0/1 replicas updated; maxSurge 0: each old replica stops before its replacement loads")

@@ -1,0 +1,131 @@
+"""Vectors are state (issue 36): a change of the embedding space never mixes two spaces behind one address. On the
+real node, through kube-proxy, with real servers.
+
+The experiment of the issue, as a test: three replicas of all-MiniLM-L6-v2 (mean pooling), a client that sends one
+fixed text every 50 ms to the service's ClusterIP with a new connection per request (a fleet of clients: kube-proxy
+picks a pod per connection), then `model.pooling: cls`. Which space answered is read from each answer's
+`embedding-space` header and checked against the vector itself. Before this design the address answered from both
+spaces for 22.6 s (154 alternations). Now: the new space comes up beside the old one at its own address, the
+service's address answers from the old space only until the promotion, from the new one only after it, and from the
+old one again after a rollback; no request fails.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.e2e.conftest import GROUP, PLURAL, VERSION
+from tests.e2e.real_pods import client_pod, exec_in, pod_log, run_client, wait_pod_phase
+from tests.e2e.test_real_pods import (RealPods, _kubeconfig, example, kubectl, ns, on_real_node,  # noqa: F401
+                                      real, service_url, svc, wait_ready)
+from tests.waiting import wait_until as wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
+NAME = "spaces"
+TEXT = "Which space answered this question?"
+
+# Every $PERIOD s: POST $BODY to $URL on a new connection; one line per answer: [time, status, space, v0] (v0: the
+# vector's first value, which tells the spaces apart whatever the header says). Until /tmp/stop or $MAX_SECONDS.
+PROBE = r"""
+import json, os, time, urllib.error, urllib.request
+url, body, period = os.environ["URL"], os.environ["BODY"].encode(), float(os.environ["PERIOD"])
+t0 = time.time()
+print("started", flush=True)
+while not os.path.exists("/tmp/stop") and time.time() - t0 < float(os.environ["MAX_SECONDS"]):
+    t = time.time()
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            v = json.loads(r.read())[0]
+            print(json.dumps([round(t, 3), r.status, r.headers.get("embedding-space"), round(v[0], 6)]), flush=True)
+    except urllib.error.HTTPError as e:
+        print(json.dumps([round(t, 3), e.code, None, None]), flush=True)
+    except Exception as e:
+        print(json.dumps([round(t, 3), 0, type(e).__name__, None]), flush=True)
+    time.sleep(max(0.0, period - (time.time() - t)))
+"""
+
+
+def spaces_of(svc, role: str | None = None) -> dict:
+    return {x["role"]: x for x in (svc.get(NAME).get("status") or {}).get("spaces") or []}
+
+
+def promote(svc, key: str) -> float:
+    at = time.time()
+    svc.co.patch_namespaced_custom_object(GROUP, VERSION, svc.ns, PLURAL, NAME, {"spec": {"migration": {"promote": key}}})
+    return at
+
+
+def runs(answers: list) -> list[list]:
+    """[space, first time, last time, answers] for each run of answers from one space, in order."""
+    out: list[list] = []
+    for t, status, space, _ in answers:
+        if status != 200:
+            continue
+        if out and out[-1][0] == space:
+            out[-1][2], out[-1][3] = t, out[-1][3] + 1
+        else:
+            out.append([space, t, t, 1])
+    return out
+
+
+def test_a_model_change_never_mixes_two_spaces_behind_the_service_address(kube, real, ns, svc):
+    doc = on_real_node(example(), real)
+    doc["metadata"]["name"] = NAME
+    doc["spec"]["replicas"] = 3
+    svc.create(doc)
+    wait_ready(svc, NAME, real, replicas=3)
+    old = spaces_of(svc)["serving"]
+    probe = "space-probe"
+    svc.core.create_namespaced_pod(ns, client_pod(probe, real.server_image, PROBE, real.node_selector, {
+        "URL": service_url(NAME, ns) + "/embed", "BODY": json.dumps({"inputs": [TEXT]}), "PERIOD": 0.05,
+        "MAX_SECONDS": 600}))
+    wait_for(lambda: len(pod_log(svc.core, ns, probe).splitlines()) > 20, timeout=120, what="probe answering")
+    changed = time.time()
+    svc.co.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, NAME, {"spec": {"model": {"pooling": "cls"}}})
+
+    def candidate_up():
+        c = spaces_of(svc).get("candidate")
+        return c if c and c["ready"] == "3/3" and c.get("fingerprint") else None
+    cand = wait_for(candidate_up, timeout=300, what="the new space's three replicas ready beside the old ones")
+    up = time.time()
+    print(kubectl("get", "embsvc", NAME, "-n", ns, "-o", "wide"))
+    assert {c["type"]: c for c in svc.get(NAME)["status"]["conditions"]}["Promoted"]["reason"] == "AwaitingPromotion"
+    # the new space answers at its own address meanwhile
+    direct = run_client(svc.core, ns, "space-direct", real.server_image, cand["url"], [["/embed", {"inputs": [TEXT]}]],
+                        real.node_selector)
+    assert direct[0]["status"] == 200
+    time.sleep(5)
+    promoted = promote(svc, cand["key"])
+    wait_for(lambda: spaces_of(svc).get("serving", {}).get("key") == cand["key"], timeout=60, what="promoted")
+    time.sleep(10)
+    rolled_back = promote(svc, old["key"])
+    wait_for(lambda: spaces_of(svc).get("serving", {}).get("key") == old["key"], timeout=60, what="rolled back")
+    time.sleep(10)
+    exec_in(kube, ns, probe, ["python3", "-c", "open('/tmp/stop', 'w').close()"])
+    wait_pod_phase(svc.core, ns, probe, ("Succeeded",), timeout=60)
+    answers = [json.loads(x) for x in svc.core.read_namespaced_pod_log(probe, ns).splitlines() if x.startswith("[")]
+    svc.core.delete_namespaced_pod(probe, ns, grace_period_seconds=0)
+    failed = [a for a in answers if a[1] != 200]
+    by_space = {}
+    for _, status, space, v0 in answers:
+        if status == 200:
+            by_space.setdefault(space, set()).add(v0)
+    r = runs(answers)
+    summary = {"answers": len(answers), "failed": len(failed), "runs": [[s, round(a - changed, 2), round(b - changed, 2), n]
+                                                                        for s, a, b, n in r],
+               "candidate_ready_after_s": round(up - changed, 1), "promoted_at_s": round(promoted - changed, 2),
+               "rolled_back_at_s": round(rolled_back - changed, 2),
+               "promotion_to_first_new_s": round(r[1][1] - promoted, 2) if len(r) > 1 else None,
+               "promotion_to_last_old_s": round(r[0][2] - promoted, 2),
+               "rollback_to_last_new_s": round(r[1][2] - rolled_back, 2) if len(r) > 1 else None}
+    print(f"space migration through the service's ClusterIP: {json.dumps(summary)}")
+    assert not failed, failed[:10]
+    assert [s for s, *_ in r] == [old["fingerprint"], cand["fingerprint"], old["fingerprint"]], summary
+    assert old["fingerprint"] != cand["fingerprint"]
+    assert all(len(v) == 1 for v in by_space.values()), by_space  # the header and the vector agree: one vector each
+    assert r[0][2] < r[1][1] and r[1][2] < r[2][1]  # no answer of a space after the other began, either way
+    assert r[1][1] >= promoted - 0.5  # nothing of the new space before the promotion (clocks: the same host's)
+    svc.delete(NAME)

@@ -1,0 +1,210 @@
+"""A change of the embedding space never rolls in place (issue 36): the reconciler against the in-memory API of
+test_operator_reconcile. The space's Deployments (tracks), the service's Service selector (what the address serves),
+promotion, rollback, the previous space's grace period, events and status."""
+from __future__ import annotations
+
+import copy
+import datetime as dt
+
+import pytest
+
+from embedops_operator import render as R
+from embedops_operator import spaces as S
+from embedops_operator.reconcile import Reconciler, Settings
+from tests.unit.operator_helpers import CPU
+from tests.unit.test_operator_reconcile import FakeKube
+
+ES = ("embedops.dev/v1alpha1", "EmbeddingService", "ml")
+DEP = ("apps/v1", "Deployment", "ml")
+SVC = ("v1", "Service", "ml")
+
+
+@pytest.fixture
+def kube():
+    return FakeKube()
+
+
+def ready(kube, name):
+    """The Deployment controller and kubelet did their part: every replica of the current template available."""
+    d = kube.objects[(*DEP, name)]
+    n = d["spec"].get("replicas", 1)
+    d["status"] = {"observedGeneration": d["metadata"]["generation"], "replicas": n, "readyReplicas": n,
+                   "updatedReplicas": n, "availableReplicas": n}
+
+
+def serving(kube, name="svc"):
+    return kube.objects[(*SVC, name)]["spec"]["selector"][R.LABEL_INSTANCE]
+
+
+def spaces(kube, name="svc"):
+    return {x["role"]: x for x in kube.get(*ES, name)["status"].get("spaces", [])}
+
+
+def condition(kube, ctype, name="svc"):
+    return {c["type"]: c for c in kube.get(*ES, name)["status"]["conditions"]}[ctype]
+
+
+def deployments(kube):
+    return sorted(k[3] for k in kube.objects if k[:3] == DEP)
+
+
+def change(kube, **model):
+    spec = copy.deepcopy(kube.get(*ES, "svc")["spec"])
+    spec["model"].update(model)
+    kube.update_spec("svc", "ml", spec)
+
+
+def start(kube, spec=None, replicas=3):
+    spec = copy.deepcopy(spec or CPU)
+    spec["replicas"] = replicas
+    kube.create_service(spec)
+    rec = Reconciler(kube, Settings())
+    rec.reconcile("ml", "svc")
+    ready(kube, "svc")
+    rec.reconcile("ml", "svc")
+    return rec
+
+
+def test_a_space_change_comes_up_beside_and_the_address_keeps_the_old_space_until_promotion(kube):
+    rec = start(kube)
+    old_key = spaces(kube)["serving"]["key"]
+    assert spaces(kube)["serving"]["since"] and condition(kube, "Promoted")["status"] == "True"
+    change(kube, pooling="cls")
+    rec.reconcile("ml", "svc")
+    new_key = S.key_of(S.declaration(R.render(kube.get(*ES, "svc"))[0]))
+    assert new_key != old_key and deployments(kube) == ["svc", f"svc-{new_key}"]
+    assert serving(kube) == "svc"  # the address: still the old space
+    old = kube.objects[(*DEP, "svc")]
+    assert "--pooling" not in old["spec"]["template"]["spec"]["containers"][0]["args"]  # not rolled in place
+    cand = kube.objects[(*DEP, f"svc-{new_key}")]
+    assert cand["spec"]["replicas"] == 3 and cand["spec"]["selector"]["matchLabels"][R.LABEL_INSTANCE] == f"svc-{new_key}"
+    # each space gets its own address during the migration
+    assert kube.objects[(*SVC, f"svc-{old_key}")]["spec"]["selector"][R.LABEL_INSTANCE] == "svc"
+    assert kube.objects[(*SVC, f"svc-{new_key}")]["spec"]["selector"][R.LABEL_INSTANCE] == f"svc-{new_key}"
+    assert condition(kube, "Promoted")["reason"] == "Starting"
+    assert condition(kube, "Reconciling")["reason"] == "StartingSpace" and condition(kube, "Ready")["status"] == "True"
+    ready(kube, f"svc-{new_key}")
+    rec.reconcile("ml", "svc")
+    promoted = condition(kube, "Promoted")
+    assert (promoted["status"], promoted["reason"]) == ("False", "AwaitingPromotion")
+    assert f'spec.migration.promote: "{new_key}"' in promoted["message"]
+    assert spaces(kube)["candidate"]["url"] == f"http://svc-{new_key}.ml.svc.cluster.local"
+    assert serving(kube) == "svc" and kube.get(*ES, "svc")["status"]["replicasSummary"] == "3/3"
+    # promotion: the address moves at once; the old space is kept for a rollback
+    spec = kube.get(*ES, "svc")["spec"]
+    spec["migration"]["promote"] = new_key
+    kube.update_spec("svc", "ml", spec)
+    rec.reconcile("ml", "svc")
+    assert serving(kube) == f"svc-{new_key}"
+    assert [e[2] for e in kube.events] == ["Promoted"]
+    assert kube.objects[(*DEP, "svc")]["metadata"]["annotations"][S.ANNOTATION_RETIRED]
+    rec.reconcile("ml", "svc")
+    by_role = spaces(kube)
+    assert by_role["serving"]["key"] == new_key and by_role["previous"]["key"] == old_key
+    assert condition(kube, "Promoted")["status"] == "True"
+    assert kube.get(*ES, "svc")["status"]["selector"].endswith(f"instance=svc-{new_key},app.kubernetes.io/name=embedops-server") \
+        or f"app.kubernetes.io/instance=svc-{new_key}" in kube.get(*ES, "svc")["status"]["selector"]
+    # rollback while the old space is kept
+    spec["migration"]["promote"] = old_key
+    kube.update_spec("svc", "ml", spec)
+    rec.reconcile("ml", "svc")
+    assert serving(kube) == "svc" and [e[2] for e in kube.events] == ["Promoted", "RolledBack"]
+    # its retirement mark goes: the marks' manager applies an intent without it (the real API server removes it;
+    # tests/e2e checks that)
+    assert "apply Deployment/svc by embedops-spaces" in kube.log[-4:]
+    assert deployments(kube) == ["svc", f"svc-{new_key}"]
+    assert spaces(kube)["serving"]["key"] == old_key and spaces(kube)["candidate"]["key"] == new_key
+
+
+def test_the_previous_space_goes_after_its_grace_period(kube):
+    spec = copy.deepcopy(CPU)
+    spec["migration"] = {"promotion": "Immediate", "keepPreviousSeconds": 60}
+    rec = start(kube, spec, replicas=1)
+    change(kube, pooling="cls")
+    rec.reconcile("ml", "svc")
+    new = next(n for n in deployments(kube) if n != "svc")
+    ready(kube, new)
+    rec.reconcile("ml", "svc")  # Immediate: promoted once ready
+    assert serving(kube) == new and deployments(kube) == ["svc", new]
+    old = kube.objects[(*DEP, "svc")]["metadata"]["annotations"]
+    old[S.ANNOTATION_RETIRED] = (dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=61)).strftime(
+        "%Y-%m-%dT%H:%M:%SZ")
+    rec.reconcile("ml", "svc")
+    assert deployments(kube) == [new]
+    assert (*SVC, f"svc-{spaces(kube)['serving']['key']}") not in kube.objects  # one space: no own address
+    assert "PreviousRemoved" in [e[2] for e in kube.events]
+
+
+def test_a_candidate_the_spec_moved_away_from_is_removed_and_the_address_never_left_the_old_space(kube):
+    rec = start(kube)
+    change(kube, pooling="cls")
+    rec.reconcile("ml", "svc")
+    first = next(n for n in deployments(kube) if n != "svc")
+    change(kube, pooling="mean")
+    rec.reconcile("ml", "svc")
+    second = next(n for n in deployments(kube) if n not in ("svc", first))
+    assert deployments(kube) == sorted(["svc", second]) and serving(kube) == "svc"
+    # back to the serving space's own declaration: the candidate goes, nothing else moves
+    change(kube, pooling=None)
+    rec.reconcile("ml", "svc")
+    assert deployments(kube) == ["svc"] and serving(kube) == "svc"
+
+
+def test_changes_that_keep_the_space_roll_in_place(kube):
+    rec = start(kube)
+    spec = kube.get(*ES, "svc")["spec"]
+    spec["batching"]["maxBatchTokens"] = 4096
+    spec["replicas"] = 2
+    kube.update_spec("svc", "ml", spec)
+    rec.reconcile("ml", "svc")
+    assert deployments(kube) == ["svc"]
+    assert "4096" in kube.objects[(*DEP, "svc")]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_rerankers_store_nothing_and_roll_in_place(kube):
+    spec = copy.deepcopy(CPU)
+    spec["model"] = {"id": "BAAI/bge-reranker-base", "task": "rerank"}
+    rec = start(kube, spec)
+    change(kube, id="acme/reranker-2")
+    rec.reconcile("ml", "svc")
+    assert deployments(kube) == ["svc"] and "spaces" not in kube.get(*ES, "svc")["status"]
+    assert "acme/reranker-2" in kube.objects[(*DEP, "svc")]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_a_service_that_never_answered_takes_the_new_space_at_once(kube):
+    """A typo in the model id fixed: the old space never served, so no index can hold its vectors."""
+    spec = copy.deepcopy(CPU)
+    spec["model"] = {"id": "acme/no-such-model"}
+    kube.create_service(spec)
+    rec = Reconciler(kube, Settings())
+    rec.reconcile("ml", "svc")  # its pods never become ready
+    change(kube, id="sentence-transformers/all-MiniLM-L6-v2")
+    rec.reconcile("ml", "svc")
+    new = next(n for n in deployments(kube) if n != "svc")
+    ready(kube, new)
+    rec.reconcile("ml", "svc")
+    assert serving(kube) == new
+
+
+def test_promote_naming_a_space_that_does_not_run_says_so(kube):
+    rec = start(kube)
+    spec = kube.get(*ES, "svc")["spec"]
+    spec["model"]["pooling"] = "cls"
+    spec["migration"]["promote"] = "deadbeef"
+    kube.update_spec("svc", "ml", spec)
+    rec.reconcile("ml", "svc")
+    assert serving(kube) == "svc"
+    assert "migration.promote names space deadbeef, which does not run" in condition(kube, "Promoted")["message"]
+
+
+def test_a_legacy_deployment_is_read_as_its_own_space():
+    """A Deployment written by any operator version declares its space through its server's flags and volume."""
+    d = R.render({"apiVersion": "embedops.dev/v1alpha1", "kind": "EmbeddingService",
+                  "metadata": {"name": "svc", "namespace": "ml"},
+                  "spec": {"model": {"id": "BAAI/bge-m3", "pooling": "cls", "quantize": "int8", "maxInputLength": 512,
+                                     "source": {"pvc": {"claimName": "models", "subPath": "m3"}}},
+                           "accelerator": {"cpu": {}}}})[0]
+    decl = S.declaration(d)
+    assert decl == {"model-id": "BAAI/bge-m3", "pooling": "cls", "quantize": "int8", "max-input-length": "512",
+                    "volume": "models:m3"}
+    assert S.describe(decl) == "BAAI/bge-m3 (pooling cls, int8, 512 tokens, volume models:m3)"
