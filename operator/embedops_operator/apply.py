@@ -43,12 +43,13 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Pod"): "pods",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
+    ("batch/v1", "Job"): "jobs",
     (spec.API_VERSION, spec.KIND): spec.PLURAL,
     render.SERVICEMONITOR: "servicemonitors",
     render.HTTPROUTE: "httproutes",
     render.SCALEDOBJECT: "scaledobjects",
 }
-OWNED_KINDS = [("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"),
+OWNED_KINDS = [("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"), ("batch/v1", "Job"),
                ("autoscaling/v2", "HorizontalPodAutoscaler"), render.SERVICEMONITOR, render.HTTPROUTE, render.SCALEDOBJECT]
 AGGREGATED_DISCOVERY = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList,application/json"
 VOLATILE_META = ("managedFields", "resourceVersion", "generation", "creationTimestamp", "uid", "selfLink")
@@ -172,8 +173,15 @@ def comparable(obj: dict) -> dict:
     return out
 
 
+class LeadershipLost(RuntimeError):
+    """A write refused because this operator no longer holds the leader Lease (leader.Elector.holds)."""
+
+
 class Kube:
     """A thin REST client over the official kubernetes client's ApiClient."""
+
+    # With leader election: whether this process may write (leader.Elector.holds); None: it runs alone.
+    fence: Callable[[], bool] | None = None
 
     def __init__(self, api_client: k8s.ApiClient | None = None, capability_ttl: float = 10.0):
         if api_client is None:
@@ -215,6 +223,8 @@ class Kube:
         verb = method
         if method == "GET":
             verb = "WATCH" if any(k == "watch" for k, _ in query or []) else _read_verb(path)
+        elif self.fence is not None and not self.fence() and not any(k == "dryRun" for k, _ in query or []):
+            raise LeadershipLost(f"not sent: {method} {path}: this operator no longer holds the leader Lease")
         with self._lock:
             self.requests[verb] += 1
         try:

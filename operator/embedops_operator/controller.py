@@ -42,6 +42,7 @@ CORE_KINDS: dict[tuple[str, str], str | None] = {
     ("v1", "Pod"): MANAGED,
     ("policy/v1", "PodDisruptionBudget"): MANAGED,
     ("autoscaling/v2", "HorizontalPodAutoscaler"): MANAGED,
+    ("batch/v1", "Job"): MANAGED,  # a new embedding space's reindex Job: its end promotes
     ("v1", "ConfigMap"): f"{render.LABEL_LITELLM}=true",
 }
 
@@ -73,8 +74,8 @@ def _deployment_view(obj: dict) -> dict:
 
 TRANSFORMS = {"Pod": _pod_view, "ConfigMap": _keep_all, "Deployment": _deployment_view}
 # the label a service's children are looked up by (its prune and Pod selectors name it), so a reconcile reads
-# its own few objects, not all N of a kind; Pods are selected by the Deployment's selector labels
-INDEX_LABELS = {spec.KIND: None, "ConfigMap": None, "Pod": render.LABEL_INSTANCE}
+# its own few objects, not all N of a kind (Pods too: every track's pods carry it, the instance label is the track's)
+INDEX_LABELS = {spec.KIND: None, "ConfigMap": None}
 
 
 class Controller:
@@ -185,7 +186,9 @@ class Controller:
                 self._seen.pop(key, None)
                 # the API server being away is reported once (rate-limited) by self.health, and the key is
                 # retried as soon as it answers; anything else may be a bug: keep the traceback
-                if self.health.failed(exc):
+                if isinstance(exc, apply.LeadershipLost):  # the process exits in a moment (leader._lost)
+                    log.debug("reconcile of %s/%s stopped: %s", *key, exc)
+                elif self.health.failed(exc):
                     log.debug("reconcile of %s/%s failed: %s", *key, apply.unavailable_reason(exc))
                 else:
                     log.exception("reconcile of %s/%s failed", *key)

@@ -15,8 +15,12 @@ The controller-runtime / client-go convention, written small on `CoordinationV1A
   next poll instead of after `lease_duration`.
 
 Worst case from the leader's death to a follower holding the Lease: lease_duration + 2 × retry_period (the
-follower sees the last renewal up to one poll late, and polls once more after expiry); with the defaults
-10/7/2 s that is 14 s, best case 8 s.
+follower sees the last renewal up to one poll late, and polls once more after expiry); with client-go's defaults
+15/10/2 s that is 19 s, best case 13 s.
+
+Fencing: between the renew deadline passing and the process exiting, the reconcile threads could still write.
+Every write the operator's client sends first asks `holds()` (apply.Kube.fence): once this candidate has gone
+`renew_deadline` without a successful renewal, writes are refused (LeadershipLost) before they reach the wire.
 
 Why not `kubernetes.leaderelection` (the official client has a LeaseLock): it uses the process-wide default
 ApiClient (not the operator's configured one), calls sys.exit() on bad settings, blocks a thread with no way
@@ -69,8 +73,8 @@ class ElectionConfig:
     name: str = "embedops-operator"
     namespace: str = "default"
     identity: str = field(default_factory=default_identity)
-    lease_duration: float = 10.0
-    renew_deadline: float = 7.0
+    lease_duration: float = 15.0  # client-go's (and controller-runtime's) defaults
+    renew_deadline: float = 10.0
     retry_period: float = 2.0
 
     def validate(self) -> None:
@@ -100,6 +104,12 @@ class Elector:
         self._observed_at = 0.0
         self.is_leader = False
         self.holder: str | None = None   # last holder seen (for logs)
+        self.renewed_at: float | None = None  # when this candidate last acquired or renewed the Lease (clock())
+
+    def holds(self) -> bool:
+        """Whether this candidate may still write: it leads and its last renewal is within renew_deadline."""
+        return self.is_leader and self.renewed_at is not None and \
+            self.clock() - self.renewed_at < self.config.renew_deadline
 
     @property
     def timeout(self) -> float:
@@ -227,6 +237,7 @@ class Elector:
                 log.info("%s: following %s", c.identity, self.holder or "(nobody)")
                 last_holder = self.holder
             await asyncio.sleep(c.retry_period)
+        self.renewed_at = self.clock()
         log.info("%s: became leader (lease %s/%s)", c.identity, c.namespace, c.name)
 
     async def keep(self) -> None:
@@ -241,7 +252,7 @@ class Elector:
             except asyncio.TimeoutError:
                 ok = False
             if ok:
-                last_ok = self.clock()
+                last_ok = self.renewed_at = self.clock()
             elif not self.is_leader and self.holder and self.holder != c.identity:
                 log.error("%s: lease %s/%s taken by %s", c.identity, c.namespace, c.name, self.holder)
                 return
@@ -310,6 +321,9 @@ def run(operator: Callable[..., Awaitable[None]], args: argparse.Namespace, api_
 
         api_client = k8s.ApiClient(Kube.configuration())
     elector = Elector(api_client, config_from_args(args))
+    from .apply import Kube
+
+    Kube.fence = elector.holds  # every write of the operator's client checks it first
 
     async def main() -> int:
         health = await _serve_healthz(liveness) if liveness else None

@@ -47,6 +47,20 @@ def _api_message(exc: ApiException) -> str:
         return f"{exc.status} {exc.reason}"
 
 
+def reindex_state(job: dict | None) -> str | None:
+    """None (no Job), "running", "succeeded" or "failed: <its reason and message>"."""
+    if job is None:
+        return None
+    for c in (job.get("status") or {}).get("conditions") or []:
+        if c.get("status") != "True":
+            continue
+        if c.get("type") == "Complete":
+            return "succeeded"
+        if c.get("type") == "Failed":
+            return f"failed: {c.get('reason', '')}: {c.get('message', '')}".rstrip(": ")
+    return "running"
+
+
 class Reconciler:
     def __init__(self, kube: apply.Kube, settings: Settings | None = None):
         self.kube = kube
@@ -98,8 +112,11 @@ class Reconciler:
                 observed.missing = render.missing_capabilities(resource, options)
                 if apply_children:
                     try:
+                        # before the Service's selector moves: a track that stops serving is marked first, so a
+                        # failure between the two never leaves a served space looking like an abandoned candidate
+                        marked = self._record_tracks(resource, plan)
                         applied = apply.apply_all(self.kube, manifests, name)
-                        written = applied.written
+                        written = marked + applied.written
                         observed.conflicts = [c.message() for c in applied.conflicts]
                         if applied.conflicts:
                             # no event comes when the user removes a foreign object (the caches hold only the
@@ -111,7 +128,6 @@ class Reconciler:
                         # the track that still serves (or is kept for a rollback) is not rendered: not pruned
                         kept = {("Deployment", t.name) for t in plan.tracks if t is not plan.spec}
                         pruned = apply.prune(self.kube, resource, manifests, options.capabilities, kept)
-                        written += self._record_tracks(resource, plan)
                         # a changed or dropped litellm.configMapName leaves a key in the old ConfigMap; only a
                         # spec change can do that, so pod and status events skip this LIST
                         meta, st = resource["metadata"], resource.get("status") or {}
@@ -199,17 +215,55 @@ class Reconciler:
             serving = ((svc.get("spec") or {}).get("selector") or {}).get(render.LABEL_INSTANCE)
         served = frozenset(x.get("key") for x in (resource.get("status") or {}).get("spaces") or []
                            if x.get("serving") and x.get("since"))
-        return spaces.plan(name, render.detect_task(spec.model), decl, live, serving, spec.migration, None,
-                           dt.datetime.now(dt.timezone.utc), served)
+        job = self._reindex_job(resource, spaces.key_of(decl)) if spec.migration.reindex else None
+        return spaces.plan(name, render.detect_task(spec.model), decl, live, serving, spec.migration,
+                           reindex_state(job), dt.datetime.now(dt.timezone.utc), served)
 
-    @staticmethod
-    def tracks(resource: dict, plan: spaces.Plan) -> render.Tracks:
+    def _reindex_job(self, resource: dict, key: str) -> dict | None:
+        """The space's reindex Job: the one of the current template, else the newest (whose environment a new one
+        keeps)."""
+        meta = resource["metadata"]
+        selector = f"{render.LABEL_SERVICE}={meta['name']},{render.LABEL_SPACE}={key}"
+        jobs = [j for j in self.kube.list("batch/v1", "Job", meta["namespace"], selector)
+                if (apply.controller_of(j) or {}).get("uid") == meta.get("uid")]
         spec = parse_resource(resource).spec
+        current = render.reindex_job_name(meta["name"], key, render.reindex_digest(spec)) if spec.migration.reindex \
+            else None
+        return max(jobs, key=lambda j: (j["metadata"]["name"] == current, j["metadata"].get("creationTimestamp") or ""),
+                   default=None)
+
+    def tracks(self, resource: dict, plan: spaces.Plan) -> render.Tracks:
+        es = parse_resource(resource)
+        spec, meta = es.spec, resource["metadata"]
         replicas = None
         if plan.spec is not plan.serving:  # a candidate: fixed replicas (the autoscaler scales the serving track)
             replicas = max(spec.autoscaling.min_replicas, 1) if spec.autoscaling else max(spec.replicas, 1)
         return render.Tracks(plan.spec.name, plan.serving.name, replicas,
-                             tuple((t.key, t.name) for t in plan.tracks) if plan.migrating else ())
+                             tuple((t.key, t.name) for t in plan.tracks) if plan.migrating else (),
+                             self._reindex_env(resource, plan) if spec.migration.reindex and plan.migrating else None)
+
+    def _reindex_env(self, resource: dict, plan: spaces.Plan) -> tuple[tuple[str, str], ...] | None:
+        """The reindex Job's environment: once its Job exists, what it was created with (a Job's template cannot
+        change); before, only when the new space's replicas are all up and report their fingerprint."""
+        meta = resource["metadata"]
+        live = self._reindex_job(resource, plan.spec.key)
+        if live is not None:
+            containers = (((live.get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers") or [{}]
+            env = {e["name"]: e.get("value", "") for e in containers[0].get("env") or []
+                   if e.get("name", "").startswith("EMBEDOPS_")}
+            return tuple(sorted(env.items())) if "EMBEDOPS_SPACE" in env else None
+        if plan.spec is plan.serving or not plan.spec.up:
+            return None
+        before = {x.get("key"): x for x in (resource.get("status") or {}).get("spaces") or []}
+        fingerprint = (before.get(plan.spec.key) or {}).get("fingerprint")
+        if not fingerprint or "," in fingerprint:  # not reported yet, or its replicas disagree: wait
+            return None
+        spec = parse_resource(resource).spec
+        url = lambda key: render.service_url(spaces.space_service_name(meta["name"], key), meta["namespace"],  # noqa: E731
+                                             spec, self.options())
+        return (("EMBEDOPS_PREVIOUS_SPACE", plan.serving.key), ("EMBEDOPS_PREVIOUS_SPACE_URL", url(plan.serving.key)),
+                ("EMBEDOPS_SPACE", plan.spec.key), ("EMBEDOPS_SPACE_FINGERPRINT", fingerprint),
+                ("EMBEDOPS_SPACE_URL", url(plan.spec.key)))
 
     def _record_tracks(self, resource: dict, plan: spaces.Plan) -> list[str]:
         """When a track stopped serving (an annotation on its Deployment under its own field manager: nothing rolls;
@@ -251,7 +305,11 @@ class Reconciler:
                 served = since or (now if track.up else None)
             else:
                 served = track.annotation(spaces.ANNOTATION_RETIRED) if role == "previous" else None
-            entry = {"key": t.key, "model": spaces.describe(t.decl), "deployment": t.name,
+            reindex = None
+            if t is plan.spec and es.spec.migration.reindex is not None and plan.migrating:
+                job = self._reindex_job(resource, t.key)
+                reindex = f"Job {job['metadata']['name']}: {reindex_state(job)}" if job else "waits for the space"
+            entry = {"key": t.key, "model": spaces.describe(t.decl), "deployment": t.name, "reindex": reindex,
                      "fingerprint": status.served_space(pods.get(t.name, [])), "ready": f"{available}/{want}",
                      "serving": t is plan.serving, "role": role, "since": served}
             if plan.migrating:

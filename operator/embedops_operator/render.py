@@ -153,6 +153,7 @@ class Tracks:
     serving: str  # the track the service's Service (or, scaled to zero, its backend Service) selects
     replicas: int | None = None  # the spec's track's replicas while it does not serve (None: as the spec says)
     spaces: tuple[tuple[str, str], ...] = ()  # (key, track) of every running track, during a migration
+    reindex: tuple[tuple[str, str], ...] | None = None  # the spec's space's reindex Job: its environment
 
     @classmethod
     def single(cls, name: str) -> "Tracks":
@@ -369,6 +370,23 @@ def _probe(period: int, failures: int, timeout: int = 3) -> dict:
             "failureThreshold": failures, "timeoutSeconds": timeout}
 
 
+DEFAULT_MODEL_CACHE = "20Gi"  # the download cache of a model the operator cannot size (and of revision 0)
+
+
+def model_cache_size(spec: EmbeddingServiceSpec, revision: int = TEMPLATE_REVISION) -> str:
+    """The download cache's size limit: model.source.download.cacheSize, else (revision 1) what the download
+    holds: the weights as the hub stores them (float32: 4 bytes a parameter) plus a quarter and 1Gi for the
+    tokenizer, configs and heads; 20Gi for a model the operator cannot size. Every pod requests it as ephemeral
+    storage, so 20Gi for a 90 MB model would keep pods off nodes with disk to spare."""
+    src = spec.model.source
+    if src and src.download and src.download.cache_size:
+        return src.download.cache_size
+    est = sizing_of(spec)
+    if revision < 1 or est is None:
+        return DEFAULT_MODEL_CACHE
+    return sizing.quantity(sizing.round_up(int(est.geometry.parameters * 4 * 1.25) + (1 << 30), 1 << 30))
+
+
 LOG_STORAGE = 1 << 30  # a container's logs and its (read-only) root filesystem's writable layer, beside its volumes
 
 
@@ -403,7 +421,7 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: P
         mounts.append(pvc)
         cache_dir = src.pvc.mount_path
     else:
-        size = src.download.cache_size if src and src.download else "20Gi"
+        size = model_cache_size(spec, revision)
         volumes.append({"name": "model-cache", "emptyDir": {"sizeLimit": size}})
         mounts.append({"name": "model-cache", "mountPath": "/models"})
         cache_dir = "/models"
@@ -678,6 +696,41 @@ def activator_labels(name: str) -> dict[str, str]:
     return {**common_labels(name, "embed"), **activator_selector(name), LABEL_COMPONENT: "activator"}
 
 
+def reindex_job(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, env: dict[str, str]) -> dict:
+    """The user's reindex Job for a new embedding space (spec.migration.reindex): its pod template as given, each
+    container with the space's environment (EMBEDOPS_SPACE, _URL, _FINGERPRINT, EMBEDOPS_PREVIOUS_SPACE, _URL). A
+    Job's template cannot change: its name carries the space and a hash of the template, so an edit runs a new Job
+    (the old one is pruned)."""
+    reindex = spec.migration.reindex
+    assert reindex is not None
+    template = json.loads(json.dumps(reindex.template))
+    pod = template.setdefault("spec", {})
+    pod.setdefault("restartPolicy", "Never")
+    extra = [{"name": k, "value": v} for k, v in sorted(env.items())]
+    for c in pod.get("containers") or []:
+        c["env"] = [e for e in c.get("env") or [] if e.get("name") not in env] + extra
+    digest = reindex_digest(spec)
+    job_spec: dict[str, Any] = {"backoffLimit": reindex.backoff_limit, "template": template}
+    if reindex.active_deadline_seconds:
+        job_spec["activeDeadlineSeconds"] = reindex.active_deadline_seconds
+    labels = {**common_labels(name, detect_task(spec.model)), LABEL_COMPONENT: "reindex", LABEL_SPACE: env["EMBEDOPS_SPACE"]}
+    template.setdefault("metadata", {}).setdefault("labels", {}).update(
+        {LABEL_COMPONENT: "reindex", LABEL_SPACE: env["EMBEDOPS_SPACE"]})
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": _meta(reindex_job_name(name, env["EMBEDOPS_SPACE"], digest), ns, labels, owner),
+            "spec": job_spec}
+
+
+def reindex_digest(spec: EmbeddingServiceSpec) -> str:
+    r = spec.migration.reindex
+    assert r is not None
+    return content_hash([r.template, r.backoff_limit, r.active_deadline_seconds])[:4]
+
+
+def reindex_job_name(name: str, key: str, digest: str) -> str:
+    return f"{name[:36]}-reindex-{key}-{digest}"
+
+
 def backend_service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None,
                     serving: str | None = None) -> dict:
     """The model pods' Service behind the activator: what the activator forwards to and the ServiceMonitor
@@ -690,18 +743,35 @@ def backend_service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict 
 
 def activator_service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
     """The service's address, answered by the activator: clients, the HTTPRoute and LiteLLM keep the same
-    URL whether replicas run or not. The admin port serves KEDA's /demand."""
+    URL whether replicas run or not. Only the proxied port: a LoadBalancer must not publish the admin port."""
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(name, ns, activator_labels(name), owner),
             "spec": {"type": spec.service.type, "selector": activator_selector(name),
                      "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http",
-                                "protocol": "TCP", "appProtocol": "http"},
-                               {"name": "admin", "port": ACTIVATOR_ADMIN_PORT, "targetPort": "admin",
                                 "protocol": "TCP", "appProtocol": "http"}]}}
 
 
+def activator_admin_service(name: str, ns: str, owner: dict | None) -> dict:
+    """The activator's admin port (/demand for KEDA, /metrics, /healthz) on a ClusterIP Service of its own."""
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(activator_name(name), ns, activator_labels(name), owner),
+            "spec": {"type": "ClusterIP", "selector": activator_selector(name),
+                     "ports": [{"name": "admin", "port": ACTIVATOR_ADMIN_PORT, "targetPort": "admin",
+                                "protocol": "TCP", "appProtocol": "http"}]}}
+
+
+def activator_pdb(name: str, ns: str, owner: dict | None) -> dict:
+    """The activator answers the service's address at every replica count: one of its two pods stays."""
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _meta(activator_name(name), ns, activator_labels(name), owner),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": activator_selector(name)}}}
+
+
 def activator_demand_url(name: str, ns: str, options: Options) -> str:
-    return f"http://{name}.{ns}.svc.{options.cluster_domain}:{ACTIVATOR_ADMIN_PORT}/demand"
+    return f"http://{activator_name(name)}.{ns}.svc.{options.cluster_domain}:{ACTIVATOR_ADMIN_PORT}/demand"
+
+
+ACTIVATOR_REPLICAS = 2
 
 
 def activator_deployment(name: str, ns: str, spec: EmbeddingServiceSpec, options: Options,
@@ -729,6 +799,14 @@ def activator_deployment(name: str, ns: str, spec: EmbeddingServiceSpec, options
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
+    if pin.revision >= 1:
+        # bounded (docs/operator.md "Scale from zero"): 128 requests of at most 2 MB each, plus ~40 MB of its own
+        container["resources"]["limits"]["memory"] = "384Mi"
+        container["resources"]["requests"]["ephemeral-storage"] = "64Mi"
+        container["resources"]["limits"]["ephemeral-storage"] = "128Mi"
+        if spec.api_key_secret_ref:  # the service's key: a request without it never counts as demand
+            container["env"] = [{"name": "API_KEY", "valueFrom": {"secretKeyRef": {
+                "name": spec.api_key_secret_ref.name, "key": spec.api_key_secret_ref.key}}}]
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False, "enableServiceLinks": False,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
@@ -741,11 +819,16 @@ def activator_deployment(name: str, ns: str, spec: EmbeddingServiceSpec, options
         pod_spec["tolerations"] = list(spec.tolerations)
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
+    if pin.revision >= 1:  # its two replicas on different nodes where there are several
+        pod_spec["topologySpreadConstraints"] = [
+            {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": {"matchLabels": activator_selector(name)}, "matchLabelKeys": ["pod-template-hash"]}]
     template = {"metadata": {"labels": activator_labels(name)}, "spec": pod_spec}
     return {"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": pin_annotations(_meta(activator_name(name), ns, activator_labels(name), owner), pin, template),
-            "spec": {"replicas": 1, "revisionHistoryLimit": 3, "selector": {"matchLabels": activator_selector(name)},
-                     "template": template}}
+            "spec": {"replicas": ACTIVATOR_REPLICAS, "revisionHistoryLimit": 3,
+                     "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                     "selector": {"matchLabels": activator_selector(name)}, "template": template}}
 
 
 def service_monitor(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
@@ -836,8 +919,10 @@ def hpa(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, targ
 
 
 def pdb(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, serving: str | None = None) -> dict | None:
-    floor = spec.autoscaling.min_replicas if spec.autoscaling else spec.replicas
-    if floor <= 1:
+    """maxUnavailable 1 whenever the service can run more than one replica (fixed replicas > 1, or an autoscaler's
+    maximum > 1): a service autoscaled to 6 is drained one pod at a time too. At one replica it blocks nothing."""
+    most = spec.autoscaling.max_replicas if spec.autoscaling else spec.replicas
+    if most <= 1:
         return None
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner),
@@ -915,11 +1000,14 @@ def render(resource: dict, options: Options | None = None, pins: Pins | None = N
     out: list[dict] = [deployment(name, ns, spec, options, owner, pins.server, tracks.spec, tracks.replicas)]
     if to_zero:  # the activator first, so its pod is starting when the Service's selector moves to it
         out += [activator_deployment(name, ns, spec, options, owner, pins.activator),
+                activator_pdb(name, ns, owner), activator_admin_service(name, ns, owner),
                 backend_service(name, ns, spec, owner, tracks.serving),
                 activator_service(name, ns, spec, owner)]
     else:
         out.append(service(name, ns, spec, owner, tracks.serving))
     out += [space_service(name, ns, spec, owner, key, track) for key, track in tracks.spaces]
+    if tracks.reindex is not None and spec.migration.reindex is not None:
+        out.append(reindex_job(name, ns, spec, owner, dict(tracks.reindex)))
     budget = pdb(name, ns, spec, owner, tracks.serving)
     if budget:
         out.append(budget)

@@ -106,7 +106,9 @@ class PVCSource(Model):
 
 class DownloadSource(Model):
     """An init container fills an emptyDir cache before the server starts."""
-    cache_size: Quantity = Field("20Gi", description="Size limit of the cache emptyDir.")
+    cache_size: Quantity | None = Field(None, description=(
+        "Size limit of the cache emptyDir (default: the model's float32 weights plus a quarter and 1Gi when the "
+        "operator knows its geometry, else 20Gi); the pod requests that much ephemeral storage."))
     image: str | None = Field(None, description="Image for the download step (default: the server image).")
     hf_token_secret_ref: SecretKeyRef | None = Field(None, description="Secret holding a Hugging Face token.")
 
@@ -337,6 +339,9 @@ class Gateway(Model):
     hostnames: list[str] = Field(default_factory=list)
     path_prefix: str = Field("", pattern=r"^(/[A-Za-z0-9._~-]+)*$",
                              description="Optional prefix (e.g. /bge-m3), stripped before the service.")
+    allow_unauthenticated: bool = Field(False, description=(
+        "Publish the routes on the gateway although the service has no apiKeySecretRef: anyone who reaches the "
+        "gateway can use the model. Without a key the operator refuses the gateway unless this says so."))
 
 
 class LiteLLM(Model):
@@ -377,6 +382,11 @@ class EmbeddingServiceSpec(Model):
                 "model.quantize int8 needs model.dtype float32 (or unset)"),
             cel("!has(self.autoscaling) || self.autoscaling.minReplicas > 0 || self.autoscaling.provider != 'hpa'",
                 "autoscaling.minReplicas 0 (scale to zero) needs provider keda or auto"),
+            cel("!has(self.gateway) || has(self.apiKeySecretRef) || "
+                "(has(self.gateway.allowUnauthenticated) && self.gateway.allowUnauthenticated)",
+                "gateway publishes the model without an API key: set apiKeySecretRef, or "
+                "gateway.allowUnauthenticated: true to publish it to anyone who reaches the gateway",
+                reason="FieldValueForbidden"),
         ]})
     model: ModelSpec
     accelerator: Accelerator

@@ -11,6 +11,11 @@ KEDA wakes the Deployment from the activator's `/demand` (admin port, KEDA's met
 held, in flight, or started within the last `--activity-window` seconds. The window is what keeps a lightly
 used service awake: a request that finished between two of KEDA's polls still counts as activity.
 
+It sits at a public address, so it is bounded like the server: the server's body limit (413), at most
+`--max-in-flight` requests at once and `--max-held` waiting for a replica (429 with Retry-After beyond, so a
+flood costs neither its memory nor the held requests' place), and with API_KEY set (the service's key) a request
+without it gets the server's 401 before it is counted as demand: nobody without the key can keep GPUs awake.
+
 Why not KEDA's HTTP add-on: its Go module cannot be fetched here (docs/operator.md), and a per-service
 activator keeps the service's own address stable for every client (LiteLLM, the HTTPRoute, in-cluster callers).
 
@@ -23,6 +28,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import hmac
 import logging
 import os
 import socket
@@ -57,8 +63,12 @@ class Activator:
     """Holds requests until the backend answers; counts what KEDA reads as demand."""
 
     def __init__(self, backend: str, activation_timeout: float = 300.0, activity_window: float = 10.0,
-                 retry_interval: float = 0.25, max_body: int = 64 << 20, request_timeout: float = 600.0):
+                 retry_interval: float = 0.25, max_body: int = 2_000_000, request_timeout: float = 600.0,
+                 max_in_flight: int = 128, max_held: int = 64, api_key: str | None = None):
         self.backend = backend.rstrip("/")
+        self.max_in_flight = max_in_flight
+        self.max_held = max_held
+        self.key = f"Bearer {api_key}".encode() if api_key else None
         self.activation_timeout = activation_timeout
         self.activity_window = activity_window
         self.retry_interval = retry_interval
@@ -71,7 +81,9 @@ class Activator:
         self.registry = CollectorRegistry()
         self.requests = Counter("embedops_activator_requests", "Requests by outcome: forwarded (answered by a "
                                 "replica, any status), timeout (no replica in time), too_large, client_gone (left "
-                                "while held or waiting), backend_error (502/504), broken (answer cut off)", ["outcome"],
+                                "while held or waiting), backend_error (502/504), broken (answer cut off), "
+                                "unauthorized (no valid API key), overloaded (429: over --max-in-flight or "
+                                "--max-held)", ["outcome"],
                                 registry=self.registry)
         self.held_seconds = Histogram("embedops_activator_held_seconds", "Time a request waited for a ready "
                                       "replica (held requests only)", registry=self.registry,
@@ -153,6 +165,11 @@ class Activator:
                     await response.aclose()
                 except NOT_DELIVERED as exc:
                     if held_since is None:
+                        if self.held >= self.max_held:
+                            self.requests.labels("overloaded").inc()
+                            return _error(429, "Overloaded", f"{self.held} requests already wait for a replica of "
+                                          "this service (scaled to zero and waking up); retry later",
+                                          retry_after=5)
                         held_since = time.monotonic()
                         self.held += 1
                         log.info("no ready replica behind %s (%s): holding %s %s", self.backend,
@@ -202,6 +219,18 @@ class App:
         server = scope.get("server") or (None, None)
         if server[1] == self.admin_port:
             await self._admin(scope, send)
+            return
+        act = self.activator
+        if act.key is not None:  # before anything is read or counted: a request without the key is not demand
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(auth, act.key):
+                act.requests.labels("unauthorized").inc()
+                await _respond(send, *_error(401, "Unauthorized", "missing or invalid API key"))
+                return
+        if act.in_flight >= act.max_in_flight:
+            act.requests.labels("overloaded").inc()
+            await _respond(send, *_error(429, "Overloaded", f"the activator holds {act.in_flight} requests, its "
+                                         "limit; retry later", retry_after=2))
             return
         try:
             body = await read_body(receive, self.activator.max_body)
@@ -293,7 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retry-interval", type=float, default=0.25)
     p.add_argument("--request-timeout", type=float, default=float(env("REQUEST_TIMEOUT", "600")),
                    help="seconds to wait for a replica's answer once the request reached it (then 504)")
-    p.add_argument("--max-body-bytes", type=int, default=64 << 20)
+    p.add_argument("--max-body-bytes", type=int, default=int(env("MAX_BODY_BYTES", "2000000")),
+                   help="the server's payload limit (413 beyond)")
+    p.add_argument("--max-in-flight", type=int, default=int(env("MAX_IN_FLIGHT", "128")),
+                   help="requests held or forwarded at once (429 beyond); with the body limit, its memory bound")
+    p.add_argument("--max-held", type=int, default=int(env("MAX_HELD", "64")),
+                   help="requests waiting for a replica at once (429 beyond)")
     return p
 
 
@@ -302,7 +336,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     activator = Activator(args.backend, activation_timeout=args.activation_timeout,
                           activity_window=args.activity_window, retry_interval=args.retry_interval,
-                          max_body=args.max_body_bytes, request_timeout=args.request_timeout)
+                          max_body=args.max_body_bytes, request_timeout=args.request_timeout,
+                          max_in_flight=args.max_in_flight, max_held=args.max_held,
+                          api_key=os.environ.get("API_KEY") or None)
     sockets = [listening_socket(args.hostname, args.port), listening_socket(args.hostname, args.admin_port)]
     config = uvicorn.Config(App(activator, args.admin_port), lifespan="on", access_log=False, log_level="warning",
                             timeout_graceful_shutdown=30)

@@ -79,17 +79,20 @@ def routed(kube, real, ns, svc, gw):  # noqa: F811
     reranker at <RERANK_HOST>/ (no prefix)."""
     embed = on_real_node(example(), real)
     embed["metadata"]["name"] = EMBED
-    embed["spec"]["gateway"] = {"parentRefs": [gateway.PARENT_REF], "hostnames": [EMBED_HOST], "pathPrefix": PREFIX}
+    embed["spec"]["gateway"] = {"parentRefs": [gateway.PARENT_REF], "hostnames": [EMBED_HOST], "pathPrefix": PREFIX,
+                                "allowUnauthenticated": True}
     rerank = on_real_node(RERANKER_DOC, real)
     rerank["metadata"]["name"] = RERANK
-    rerank["spec"]["gateway"] = {"parentRefs": [gateway.PARENT_REF], "hostnames": [RERANK_HOST]}
+    rerank["spec"]["gateway"] = {"parentRefs": [gateway.PARENT_REF], "hostnames": [RERANK_HOST],
+                                 "allowUnauthenticated": True}
     rerank["spec"]["batching"]["maxClientBatchSize"] = 64  # the query-time pattern reranks 50 candidates at once
     m3 = on_real_node(example(), real)
     m3["metadata"]["name"] = M3
     model = tiny_m3(Path(real.models_hostpath))
     m3["spec"]["model"] = {"id": f"/models/{model}", "servedModelName": model, "task": "embed", "maxInputLength": 256,
                            "outputs": ["dense", "sparse", "colbert"], "source": {"pvc": {"claimName": "embedops-models"}}}
-    m3["spec"]["gateway"] = {"parentRefs": [gateway.PARENT_REF], "hostnames": [EMBED_HOST], "pathPrefix": M3_PREFIX}
+    m3["spec"]["gateway"] = {"parentRefs": [gateway.PARENT_REF], "hostnames": [EMBED_HOST], "pathPrefix": M3_PREFIX,
+                             "allowUnauthenticated": True}
     docs = [embed, rerank, m3]
     prerequisites(kube, ns, docs, host_path=real.models_hostpath)
     for d in docs:

@@ -16,11 +16,12 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import GROUP, PLURAL, VERSION
+from localcluster.workloads import prerequisites
+from tests.e2e.conftest import GROUP, PLURAL, VERSION, wait_for
 from tests.e2e.real_pods import client_pod, exec_in, pod_log, run_client, wait_pod_phase
 from tests.e2e.test_real_pods import (RealPods, _kubeconfig, example, kubectl, ns, on_real_node,  # noqa: F401
                                       real, service_url, svc, wait_ready)
-from tests.waiting import wait_until as wait_for
+
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 NAME = "spaces"
@@ -75,6 +76,8 @@ def test_a_model_change_never_mixes_two_spaces_behind_the_service_address(kube, 
     doc = on_real_node(example(), real)
     doc["metadata"]["name"] = NAME
     doc["spec"]["replicas"] = 3
+    doc["spec"]["accelerator"]["cpu"]["memory"] = "1Gi"  # six pods during the migration on one 24 GiB node
+    prerequisites(kube, ns, [doc], host_path=real.models_hostpath)
     svc.create(doc)
     wait_ready(svc, NAME, real, replicas=3)
     old = spaces_of(svc)["serving"]

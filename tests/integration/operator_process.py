@@ -102,7 +102,8 @@ def chart_rbac_kubeconfig(kube, api, ns: str, release: str, out: Path) -> tuple[
 
     chart = REPO / "charts" / "embedops-operator"
     rendered = subprocess.run([kube.helm, "template", release, str(chart), "--namespace", ns,
-                               "--set", f"watchNamespaces={{{ns}}}"], capture_output=True, text=True,
+                               "--set", f"watchNamespaces={{{ns}}}", "--set", "rbac.aggregateToDefaultRoles=false"],
+                              capture_output=True, text=True,
                               check=True).stdout
     docs = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in (
         "ServiceAccount", "ClusterRole", "Role", "RoleBinding")]

@@ -440,7 +440,8 @@ def test_missing_optional_crds_give_conditions_then_are_picked_up(ctx, operator)
     ctx.kube.uninstall_crds(OPTIONAL)
     spec = json.loads(json.dumps(CPU_SPEC))
     spec.pop("litellm")
-    spec["gateway"] = {"parentRefs": [{"name": "ai-gateway"}], "hostnames": ["ai.example.com"]}
+    spec["gateway"] = {"parentRefs": [{"name": "ai-gateway"}], "hostnames": ["ai.example.com"],
+                       "allowUnauthenticated": True}
     spec["autoscaling"] = {"minReplicas": 1, "maxReplicas": 3}
     try:
         ctx.apply_es("opt", spec)
@@ -610,7 +611,7 @@ def test_objects_the_operator_did_not_create_are_never_taken_over_or_deleted(ctx
     assert all(before.values())
     base = json.loads(json.dumps(CPU_SPEC))
     base["model"].pop("maxInputLength")
-    own = {**base, "replicas": 2, "gateway": {"parentRefs": [{"name": "ai-gateway"}]},
+    own = {**base, "replicas": 2, "gateway": {"parentRefs": [{"name": "ai-gateway"}], "allowUnauthenticated": True},
            "autoscaling": {"minReplicas": 2, "maxReplicas": 3, "provider": "keda"},
            "litellm": {"configMapName": "their-litellm"}}
     own_hpa = {**base, "autoscaling": {"minReplicas": 1, "maxReplicas": 2, "provider": "hpa"}}
@@ -694,7 +695,8 @@ def test_operator_works_with_only_the_charts_rbac(ctx, operator, tmp_path):
     if not helm:
         pytest.skip("helm not available")
     chart = REPO / "charts" / "embedops-operator"
-    out = subprocess.run([helm, "template", "rbac-it", str(chart), "--namespace", NS], capture_output=True,
+    out = subprocess.run([helm, "template", "rbac-it", str(chart), "--namespace", NS,
+                          "--set", "rbac.aggregateToDefaultRoles=false"], capture_output=True,
                          text=True, check=True).stdout
     docs = [d for d in yaml.safe_load_all(out) if d and d["kind"] in (
         "ServiceAccount", "ClusterRole", "ClusterRoleBinding")]
@@ -741,7 +743,8 @@ def test_operator_works_with_only_the_charts_rbac(ctx, operator, tmp_path):
         ctx.policy.read_namespaced_pod_disruption_budget("rbac", NS)
         ctx.custom.get_namespaced_custom_object("keda.sh", "v1alpha1", NS, "scaledobjects", "rbac")
         # pruning (delete) and the LiteLLM ConfigMap under the same account
-        spec["autoscaling"]["minReplicas"] = 1
+        spec.pop("autoscaling")
+        spec["replicas"] = 1
         ctx.apply_es("rbac", spec)
         wait_for("PDB pruned", lambda: not [p for p in ctx.policy.list_namespaced_pod_disruption_budget(NS).items
                                             if p.metadata.name == "rbac"], 60)

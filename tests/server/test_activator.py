@@ -18,11 +18,14 @@ from tests.server.conftest import free_port, run_server
 
 
 @contextlib.contextmanager
-def activator(backend_port: int, *args: str):
+def activator(backend_port: int, *args: str, env: dict | None = None):
+    import os
+
     port, admin = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "embedops_server.activator", "--hostname", "127.0.0.1",
                              "--backend", f"http://127.0.0.1:{backend_port}", "--port", str(port),
-                             "--admin-port", str(admin), *args], stderr=subprocess.PIPE, text=True)
+                             "--admin-port", str(admin), *args], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
     try:
         deadline = time.time() + 30
         while True:
@@ -146,3 +149,45 @@ def test_a_body_cut_off_by_the_client_is_not_forwarded():
             assert time.time() < deadline
             time.sleep(0.1)
         assert demand(admin)["held"] == 0 and demand(admin)["in_flight"] == 0  # nothing was sent on
+
+
+def test_without_the_api_key_a_request_is_refused_before_it_counts_as_demand():
+    """At a public address: anyone could otherwise keep a scaled-to-zero service's GPUs awake."""
+    backend = free_port()
+    with activator(backend, "--activation-timeout", "1", env={"API_KEY": "s3cret"}) as (url, admin):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.post(url + "/embed", json={"inputs": "hello"}, headers=headers, timeout=10)
+            assert r.status_code == 401 and r.json()["error"] == "missing or invalid API key", r.text
+        assert demand(admin) == {"demand": 0, "held": 0, "in_flight": 0, "recent": 0}
+        r = httpx.post(url + "/embed", json={"inputs": "hello"}, headers={"Authorization": "Bearer s3cret"},
+                       timeout=30)
+        assert r.status_code == 503  # held with the key, no replica came: it counted
+        assert demand(admin)["recent"] == 1
+        metrics = httpx.get(admin + "/metrics", timeout=5).text
+        assert 'embedops_activator_requests_total{outcome="unauthorized"} 2.0' in metrics
+
+
+def test_held_and_in_flight_requests_are_capped_with_429_and_retry_after():
+    backend = free_port()
+    with activator(backend, "--max-held", "2", "--max-in-flight", "3", "--activation-timeout", "20") as (url, admin):
+        results: list = []
+
+        def call():
+            try:
+                results.append(httpx.post(url + "/embed", json={"inputs": "hello"}, timeout=3).status_code)
+            except httpx.TimeoutException:
+                results.append("held")
+        threads = [threading.Thread(target=call) for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 10
+        while demand(admin)["held"] != 2:
+            assert time.time() < deadline, demand(admin)
+            time.sleep(0.05)
+        r = httpx.post(url + "/embed", json={"inputs": "hello"}, timeout=5)  # a third would wait: over --max-held
+        assert r.status_code == 429 and r.headers["retry-after"] == "5" and r.json()["error_type"] == "Overloaded"
+        for t in threads:
+            t.join()
+        assert results == ["held", "held"]
+        metrics = httpx.get(admin + "/metrics", timeout=5).text
+        assert 'embedops_activator_requests_total{outcome="overloaded"} 1.0' in metrics

@@ -61,6 +61,8 @@ class Clock:
 
 
 def elector(store, clock, identity, **kw) -> Elector:
+    for key, value in (("lease_duration", 10), ("renew_deadline", 7), ("retry_period", 2)):  # the tests' arithmetic
+        kw.setdefault(key, value)
     e = Elector(k8s.ApiClient(), ElectionConfig(name="op", namespace="ns", identity=identity, **kw), clock=clock)
     e.api = store
     return e
@@ -170,3 +172,40 @@ def test_release_after_a_renewal_it_did_not_see_retries_from_a_fresh_read():
     a._lease = stale
     assert a.release()
     assert store.lease.spec.holder_identity is None
+
+
+def test_a_write_past_the_renew_deadline_is_refused_before_it_is_sent():
+    """Fencing: the elector's holds() is asked before every write the operator's client sends; reads and dry-runs
+    go on (they change nothing)."""
+    from embedops_operator import apply as A
+
+    sent = []
+
+    class Api:
+        def param_serialize(self, method, resource_path, query_params, header_params, body, auth_settings):
+            return method, resource_path, header_params, body, None
+
+        def call_api(self, method, url, **kw):
+            sent.append((method, url))
+            raise RuntimeError("stop here")  # what happens after sending is not this test's business
+
+    clock = [100.0]
+    elector = type("E", (), {})()
+    cfg = ElectionConfig(lease_duration=15, renew_deadline=10, retry_period=2)
+    elector.is_leader, elector.renewed_at, elector.config, elector.clock = True, 95.0, cfg, lambda: clock[0]
+    holds = Elector.holds.__get__(elector)
+    kube = A.Kube(Api())
+    kube.fence = holds
+    obj = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s", "namespace": "ml"}}
+    with pytest.raises(RuntimeError, match="stop here"):  # within the deadline: sent
+        kube.apply(obj)
+    clock[0] = 105.5  # 10.5 s since the last renewal
+    with pytest.raises(A.LeadershipLost):
+        kube.apply(obj)
+    with pytest.raises(A.LeadershipLost):
+        kube.delete("v1", "Service", "ml", "s")
+    with pytest.raises(RuntimeError, match="stop here"):
+        kube.get("v1", "Service", "ml", "s")
+    with pytest.raises(RuntimeError, match="stop here"):
+        kube.apply(obj, dry_run=True)
+    assert [m for m, _ in sent] == ["PATCH", "GET", "PATCH"]

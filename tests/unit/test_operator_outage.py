@@ -178,8 +178,8 @@ def controller():
         ("v1", "Service"): cached("svc"),
         ("policy/v1", "PodDisruptionBudget"): cached("pdb"),
         ("autoscaling/v2", "HorizontalPodAutoscaler"): cached("hpa"),
-        ("v1", "Pod"): cached("pod", child("Pod", "a-1", 5, **{R.LABEL_INSTANCE: "a"}),
-                              index_label=R.LABEL_INSTANCE),
+        ("batch/v1", "Job"): cached("job"),
+        ("v1", "Pod"): cached("pod", child("Pod", "a-1", 5, **{R.LABEL_INSTANCE: "a", R.LABEL_SERVICE: "a"})),
     }
     return c
 
@@ -210,7 +210,8 @@ def test_resync_skips_unchanged_services_but_not_changed_ones_nor_every_nth_pass
     c.cache.informers[("apps/v1", "Deployment")][0]._apply_event(
         "MODIFIED", child("Deployment", "a", 9, **{R.LABEL_SERVICE: "a"}))
     assert resync_and_drain(c) == ["a"]
-    c.cache.informers[("v1", "Pod")][0]._apply_event("ADDED", child("Pod", "b-1", 10, **{R.LABEL_INSTANCE: "b"}))
+    c.cache.informers[("v1", "Pod")][0]._apply_event("ADDED", child("Pod", "b-1", 10, **{R.LABEL_INSTANCE: "b",
+                                                                                       R.LABEL_SERVICE: "b"}))
     assert resync_and_drain(c) == ["b"]
     assert resync_and_drain(c) == []
     # a spec change (new resourceVersion and generation) and a failed reconcile are never skipped
@@ -241,5 +242,5 @@ def test_recovery_requeues_failed_services_and_wakes_informers():
     c.kube.health.failed(refused())
     c.kube.health.ok()
     assert c.queue.get(0) == (key, True)
-    assert len(woken) == 6
+    assert len(woken) == len(c.cache.informers) == 7
     c.queue.close()

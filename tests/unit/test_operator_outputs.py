@@ -14,7 +14,7 @@ from tests.unit.operator_helpers import MIG, by_kind, es
 def _spec(**model) -> dict:
     spec = copy.deepcopy(MIG)
     spec["model"].update(model)
-    spec["gateway"] = {"parentRefs": [{"name": "gw"}]}
+    spec["gateway"] = {"parentRefs": [{"name": "gw"}], "allowUnauthenticated": True}
     return spec
 
 

@@ -64,9 +64,10 @@ def test_cpu_nfd_selectors_threads_and_surge():
                                    "feature.node.kubernetes.io/cpu-cpuid.AVX512VNNI": "true",
                                    "kubernetes.io/arch": "amd64"}
     assert c["image"] == R.Options().cpu_image
-    # ephemeral storage: the model cache (20Gi), /tmp (2Gi) and the ONNX cache (1Gi for MiniLM), plus 1Gi of logs
-    assert c["resources"] == {"requests": {"cpu": "6", "memory": "6Gi", "ephemeral-storage": "23Gi"},
-                              "limits": {"cpu": "6", "memory": "6Gi", "ephemeral-storage": "24Gi"}}
+    # ephemeral storage: the download cache (MiniLM's 91 MB of float32 weights + 25% + 1Gi: 2Gi), /tmp (2Gi) and
+    # the ONNX cache (1Gi), plus 1Gi of logs in the limit
+    assert c["resources"] == {"requests": {"cpu": "6", "memory": "6Gi", "ephemeral-storage": "5Gi"},
+                              "limits": {"cpu": "6", "memory": "6Gi", "ephemeral-storage": "6Gi"}}
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == env["ORT_NUM_THREADS"] == "6"
     assert arg(c, "--dtype") == "float32"
@@ -188,7 +189,7 @@ def test_pod_overrides():
     out = render(spec)
     c, pod = container(out), pod_spec(out)
     assert c["image"] == "registry.local/embedops-server:dev" and c["imagePullPolicy"] == "Always"
-    assert c["resources"]["limits"] == {"cpu": "6", "memory": "12Gi", "ephemeral-storage": "24Gi"}
+    assert c["resources"]["limits"] == {"cpu": "6", "memory": "12Gi", "ephemeral-storage": "6Gi"}
     env = [(e["name"], e.get("value")) for e in c["env"]]
     assert ("OMP_NUM_THREADS", "3") in env and ("OMP_NUM_THREADS", "6") not in env and ("LOG_LEVEL", "debug") in env
     assert pod["nodeSelector"]["pool"] == "ingest"
@@ -280,7 +281,8 @@ def test_autoscaling_keda_leaves_replicas_to_the_autoscaler():
     trig = so["spec"]["triggers"][0]
     assert trig["type"] == "prometheus" and trig["metadata"]["threshold"] == "24"
     assert trig["metadata"]["query"] == 'sum(te_queue_size{namespace="ml",service="bge"})'
-    assert "HorizontalPodAutoscaler" not in out and "PodDisruptionBudget" not in out
+    assert "HorizontalPodAutoscaler" not in out
+    assert out["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1  # up to 5 replicas: drained one at a time
     # cooldownSeconds governs scaling down to the minimum too, not only the step to zero
     assert so["spec"]["cooldownPeriod"] == 300
     assert so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"] == {
@@ -305,7 +307,15 @@ def test_scale_to_zero_puts_the_activator_at_the_services_address():
         act["spec"]["template"]["metadata"]["labels"]
     assert front["spec"]["selector"] == {"app.kubernetes.io/name": "embedops-activator",
                                          "app.kubernetes.io/instance": "emb"}
-    assert [p["name"] for p in front["spec"]["ports"]] == ["http", "admin"]
+    # the admin port (/demand, /metrics) only on a ClusterIP Service of its own: a LoadBalancer never publishes it
+    assert [p["name"] for p in front["spec"]["ports"]] == ["http"]
+    admin = named[("Service", "emb-activator")]
+    assert admin["spec"]["type"] == "ClusterIP" and [p["name"] for p in admin["spec"]["ports"]] == ["admin"]
+    assert admin["spec"]["selector"] == front["spec"]["selector"]
+    # two replicas, spread, kept by a PDB, bounded in memory
+    assert act["spec"]["replicas"] == 2 and named[("PodDisruptionBudget", "emb-activator")]["spec"][
+        "selector"]["matchLabels"] == front["spec"]["selector"]
+    assert act["spec"]["template"]["spec"]["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
     assert backend["spec"]["selector"] == model["spec"]["selector"]["matchLabels"] == R.selector_labels("emb")
     route = named[("HTTPRoute", "emb")]
     assert {b["name"] for r in route["spec"]["rules"] for b in r["backendRefs"]} == {"emb"}
@@ -333,7 +343,7 @@ def test_scale_to_zero_puts_the_activator_at_the_services_address():
     kinds = [t["type"] for t in so["spec"]["triggers"]]
     assert kinds == ["prometheus", "metrics-api"]
     demand = so["spec"]["triggers"][1]["metadata"]
-    assert demand["url"] == "http://emb.ml.svc.cluster.local:9091/demand" and demand["valueLocation"] == "demand"
+    assert demand["url"] == "http://emb-activator.ml.svc.cluster.local:9091/demand" and demand["valueLocation"] == "demand"
     assert demand["activationTargetValue"] == "0"
     assert arg(c, "--activity-window") == str(2 * so["spec"]["pollingInterval"])
     assert all(m["metadata"]["namespace"] == "ml" for m in out)
@@ -380,6 +390,13 @@ def test_pdb_only_with_more_than_one_replica(replicas, expected):
     out = by_kind(render(spec))
     assert ("PodDisruptionBudget" in out) is expected
     assert out["Deployment"]["spec"]["replicas"] == replicas
+
+
+@pytest.mark.parametrize("low,high,expected", [(1, 1, False), (1, 6, True), (0, 2, True), (2, 4, True)])
+def test_pdb_whenever_the_autoscaler_can_run_more_than_one(low, high, expected):
+    spec = copy.deepcopy(CPU)
+    spec["autoscaling"] = {"minReplicas": low, "maxReplicas": high}
+    assert ("PodDisruptionBudget" in by_kind(render(spec))) is expected
 
 
 def test_litellm_entries():
@@ -581,6 +598,7 @@ def test_every_container_requests_the_disk_its_volumes_may_fill():
     spec = copy.deepcopy(MIG)
     spec["model"]["source"] = {"download": {"cacheSize": "30Gi"}}
     pod = pod_spec(render(spec))
+    assert R.model_cache_size(R.parse_resource(defaulted(es(MIG))).spec) == "4Gi"  # bge-m3: 2.27 GB float32 x 1.25 + 1Gi
     sizes = {v["name"]: v["emptyDir"]["sizeLimit"] for v in pod["volumes"] if "emptyDir" in v}
     assert sizes["model-cache"] == "30Gi" and sizes["tmp"] == "2Gi" and sizes["dshm"] == "1Gi"
     onnx = int(sizes["onnx-cache"][:-2])

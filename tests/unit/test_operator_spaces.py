@@ -111,7 +111,7 @@ def test_a_space_change_comes_up_beside_and_the_address_keeps_the_old_space_unti
     assert serving(kube) == "svc" and [e[2] for e in kube.events] == ["Promoted", "RolledBack"]
     # its retirement mark goes: the marks' manager applies an intent without it (the real API server removes it;
     # tests/e2e checks that)
-    assert "apply Deployment/svc by embedops-spaces" in kube.log[-4:]
+    assert "apply Deployment/svc by embedops-spaces" in kube.log[-6:]
     assert deployments(kube) == ["svc", f"svc-{new_key}"]
     assert spaces(kube)["serving"]["key"] == old_key and spaces(kube)["candidate"]["key"] == new_key
 
@@ -208,3 +208,64 @@ def test_a_legacy_deployment_is_read_as_its_own_space():
     assert decl == {"model-id": "BAAI/bge-m3", "pooling": "cls", "quantize": "int8", "max-input-length": "512",
                     "volume": "models:m3"}
     assert S.describe(decl) == "BAAI/bge-m3 (pooling cls, int8, 512 tokens, volume models:m3)"
+
+
+def _pods_of(kube, track, space, n=1):
+    """Ready pods of a track whose prepare steps reported `space` (what the kubelet and the server would show)."""
+    import json as _json
+
+    for i in range(n):
+        kube.objects[("v1", "Pod", "ml", f"{track}-{i}")] = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"{track}-{i}", "namespace": "ml", "creationTimestamp": "2026-12-05T00:00:00Z",
+                         "labels": {R.LABEL_SERVICE: "svc", R.LABEL_INSTANCE: track,
+                                    R.LABEL_NAME: "embedops-server"}},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}], "initContainerStatuses": [
+                {"name": "prepare", "state": {"terminated": {"message": "prepared " + _json.dumps({"space": space})}}}]}}
+
+
+def test_after_reindex_the_jobs_success_promotes_and_its_failure_keeps_the_old_space(kube):
+    spec = copy.deepcopy(CPU)
+    spec["migration"] = {"promotion": "AfterReindex", "reindex": {"template": {"spec": {"containers": [
+        {"name": "ingest", "image": "acme/ingest:1", "env": [{"name": "TABLE", "value": "docs"}]}]}}}}
+    rec = start(kube, spec, replicas=1)
+    _pods_of(kube, "svc", "aaaa000000000001")
+    rec.reconcile("ml", "svc")
+    old_key = spaces(kube)["serving"]["key"]
+    change(kube, pooling="cls")
+    rec.reconcile("ml", "svc")
+    new = next(n for n in deployments(kube) if n != "svc")
+    assert not [k for k in kube.objects if k[1] == "Job"]  # not before the new space is up
+    ready(kube, new)
+    _pods_of(kube, new, "bbbb000000000002")
+    rec.reconcile("ml", "svc")  # the status learns the new space's fingerprint
+    rec.reconcile("ml", "svc")
+    jobs = [o for k, o in kube.objects.items() if k[1] == "Job"]
+    assert len(jobs) == 1
+    job = jobs[0]
+    env = {e["name"]: e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    new_key = new.rsplit("-", 1)[1]
+    assert env == {"TABLE": "docs", "EMBEDOPS_SPACE": new_key, "EMBEDOPS_SPACE_FINGERPRINT": "bbbb000000000002",
+                   "EMBEDOPS_SPACE_URL": f"http://svc-{new_key}.ml.svc.cluster.local",
+                   "EMBEDOPS_PREVIOUS_SPACE": old_key,
+                   "EMBEDOPS_PREVIOUS_SPACE_URL": f"http://svc-{old_key}.ml.svc.cluster.local"}
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never" and job["spec"]["backoffLimit"] == 2
+    assert condition(kube, "Promoted")["reason"] == "Reindexing" and serving(kube) == "svc"
+    assert spaces(kube)["candidate"]["reindex"] == f"Job {job['metadata']['name']}: running"
+    # it fails: the old space keeps serving, the status says why
+    job["status"] = {"conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+                                     "message": "Job has reached the specified backoff limit"}]}
+    rec.reconcile("ml", "svc")
+    promoted = condition(kube, "Promoted")
+    assert promoted["reason"] == "ReindexFailed" and "BackoffLimitExceeded" in promoted["message"]
+    assert serving(kube) == "svc" and condition(kube, "Ready")["status"] == "True"
+    # a corrected Job (a new template) runs anew; its success promotes
+    spec = kube.get(*ES, "svc")["spec"]
+    spec["migration"]["reindex"]["template"]["spec"]["containers"][0]["image"] = "acme/ingest:2"
+    kube.update_spec("svc", "ml", spec)
+    rec.reconcile("ml", "svc")
+    jobs = [o for k, o in kube.objects.items() if k[1] == "Job"]
+    assert len(jobs) == 1 and jobs[0]["metadata"]["name"] != job["metadata"]["name"]
+    jobs[0]["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
+    rec.reconcile("ml", "svc")
+    assert serving(kube) == new and "Promoted" in [e[2] for e in kube.events]
