@@ -932,7 +932,8 @@ def pdb(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, serv
 _LITELLM = Environment(undefined=StrictUndefined, keep_trailing_newline=True, autoescape=False).from_string(
     """# Managed by embedops for EmbeddingService {{ namespace }}/{{ name }}; merge into LiteLLM's model_list.
 model_list:
-- model_name: {{ model_name | tojson }}
+{%- for entry_name, base in entries %}
+- model_name: {{ entry_name | tojson }}
   litellm_params:
 {%- if task == "rerank" %}
     model: {{ ("huggingface/" ~ served) | tojson }}
@@ -944,6 +945,7 @@ model_list:
     api_key: {{ api_key | tojson }}
   model_info:
     mode: {{ "rerank" if task == "rerank" else "embedding" }}
+{%- endfor %}
 """)
 
 
@@ -951,17 +953,25 @@ def litellm_key(name: str) -> str:
     return f"embedops-{name}.yaml"
 
 
-def litellm_config_map(name: str, ns: str, spec: EmbeddingServiceSpec, options: Options) -> dict:
-    """This service's entries in the shared LiteLLM ConfigMap (one data key per service, own field manager).
+def litellm_config_map(name: str, ns: str, spec: EmbeddingServiceSpec, options: Options,
+                       spaces: tuple[tuple[str, str], ...] = ()) -> dict:
+    """This service's entries in the shared LiteLLM ConfigMap (one data key per service, own field manager): its
+    model name at the service's address, and during a change of the embedding space (`spaces`: (key, track) of
+    each running one) one alias per space, `<model name>@<key>`, at that space's own address, so a query path or
+    a reindex job can ask for one space by name whichever serves the service's address.
 
     No owner reference: the ConfigMap is shared and may be the user's; litellm.py removes stale keys.
     """
+    from .spaces import space_service_name
+
     ll = spec.litellm
     assert ll is not None
     served = served_model_name(spec)
+    model_name = ll.model_name or served
+    entries = [(model_name, service_url(name, ns, spec, options))] + [
+        (f"{model_name}@{key}", service_url(space_service_name(name, key), ns, spec, options)) for key, _ in spaces]
     env_name = "EMBEDOPS_" + "".join(c if c.isalnum() else "_" for c in name.upper()) + "_API_KEY"
-    text = _LITELLM.render(namespace=ns, name=name, model_name=ll.model_name or served, served=served,
-                           task=detect_task(spec.model), base=service_url(name, ns, spec, options),
+    text = _LITELLM.render(namespace=ns, name=name, entries=entries, served=served, task=detect_task(spec.model),
                            api_key=f"os.environ/{env_name}" if spec.api_key_secret_ref else "none")
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": ll.config_map_name, "namespace": ns, "labels": {LABEL_LITELLM: "true"}},
@@ -1021,7 +1031,7 @@ def render(resource: dict, options: Options | None = None, pins: Pins | None = N
     elif scaler == "hpa":
         out.append(hpa(name, ns, spec, owner, tracks.serving))
     if spec.litellm:
-        out.append(litellm_config_map(name, ns, spec, options))
+        out.append(litellm_config_map(name, ns, spec, options, tracks.spaces))
     for obj in out:
         if obj["kind"] == "ConfigMap":  # shared with other services: no per-object annotation
             continue

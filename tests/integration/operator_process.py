@@ -2,6 +2,7 @@
 SIGKILLed), a kubeconfig with the chart's ServiceAccount token, and small waits/counters."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -120,6 +121,34 @@ def chart_rbac_kubeconfig(kube, api, ns: str, release: str, out: Path) -> tuple[
         "contexts": [{"name": "operator", "context": {"cluster": cluster["name"], "user": "operator"}}],
         "current-context": "operator"}))
     return out, docs
+
+
+@contextlib.contextmanager
+def operator_env(kube, tmp: Path, prefix: str, chart_rbac: bool = False):
+    """A namespace `<prefix>-<random>` with the CRD installed, API clients (api, custom, apps, core, coord), a
+    scratch folder and `procs`, the operator processes to stop at the end. With `chart_rbac`: the chart's
+    ServiceAccount and RBAC for that namespace and a kubeconfig with its token (`kubeconfig`), removed at the end;
+    else `kubeconfig` is the admin's."""
+    from kubernetes import client
+
+    api = kube.api_client()
+    install_crd(kube, api)
+    docs: list[dict] = []
+    with kube.namespace(prefix) as ns:
+        e = type("Env", (), {})()
+        e.kube, e.ns, e.tmp, e.api, e.procs, e.kubeconfig = kube, ns, tmp, api, [], kube.kubeconfig
+        if chart_rbac:
+            path, docs = chart_rbac_kubeconfig(kube, api, ns, prefix, tmp / "operator.kubeconfig")
+            e.kubeconfig = str(path)
+        e.custom, e.apps, e.core = client.CustomObjectsApi(api), client.AppsV1Api(api), client.CoreV1Api(api)
+        e.coord = client.CoordinationV1Api(api)
+        try:
+            yield e
+        finally:
+            for p in e.procs:
+                p.stop()
+            delete_cluster_scoped(api, docs)
+    api.close()
 
 
 def delete_cluster_scoped(api, docs: list[dict]) -> None:

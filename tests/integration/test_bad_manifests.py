@@ -21,8 +21,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tests.integration.operator_process import (GROUP, PLURAL, VERSION, OperatorProcess, chart_rbac_kubeconfig,
-                                                delete_cluster_scoped, es_body, install_crd)
+from tests.integration.operator_process import GROUP, PLURAL, VERSION, OperatorProcess, es_body, operator_env
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1200)]
 EXAMPLES = int(os.environ.get("EMBEDOPS_FUZZ_EXAMPLES", "300"))
@@ -108,25 +107,13 @@ specs = st.one_of(valid_specs, valid_specs, chaos_specs)
 
 @pytest.fixture(scope="module")
 def env(kube, tmp_path_factory):
-    from kubernetes import client
-
     if not kube.helm:
         pytest.skip("helm not available (make cluster-binaries): the operator runs with the chart's RBAC")
-    api = kube.api_client()
-    install_crd(kube, api)
-    tmp = tmp_path_factory.mktemp("fuzz")
-    with kube.namespace("fuzz") as ns:
-        kubeconfig, docs = chart_rbac_kubeconfig(kube, api, ns, "fuzz", tmp / "operator.kubeconfig")
-        op = OperatorProcess("fuzz", str(kubeconfig), tmp, ["-n", ns, "--resync-seconds=5"]).start()
-        e = type("Env", (), {})()
-        e.ns, e.api, e.op, e.custom = ns, api, op, client.CustomObjectsApi(api)
+    with operator_env(kube, tmp_path_factory.mktemp("fuzz"), "fuzz", chart_rbac=True) as e:
+        e.op = OperatorProcess("fuzz", e.kubeconfig, e.tmp, ["-n", e.ns, "--resync-seconds=5"]).start()
+        e.procs.append(e.op)
         e.refused, e.reconciled, e.names = collections.Counter(), collections.Counter(), {}
-        try:
-            yield e
-        finally:
-            op.stop()
-            delete_cluster_scoped(api, docs)
-    api.close()
+        yield e
 
 
 def run_one(env, name: str, spec: dict) -> None:

@@ -14,9 +14,8 @@ import urllib.request
 import pytest
 
 from localcluster.pki import free_port
-from tests.integration.operator_process import (CPU_SPEC, GROUP, PLURAL, VERSION, OperatorProcess,
-                                                chart_rbac_kubeconfig, converged, delete_cluster_scoped,
-                                                es_body, install_crd, wait_for)
+from tests.integration.operator_process import (CPU_SPEC, GROUP, PLURAL, VERSION, OperatorProcess, converged,
+                                                es_body, operator_env, wait_for)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -26,27 +25,10 @@ TAKEOVER_LIMIT = 20.0  # at most leaseDuration + 2 x retryPeriod = 19 s with the
 
 @pytest.fixture(scope="module")
 def env(kube, tmp_path_factory):
-    from kubernetes import client
-
     if not kube.helm:
         pytest.skip("helm not available (make cluster-binaries): the test runs with the chart's RBAC")
-    api = kube.api_client()
-    install_crd(kube, api)
-    tmp = tmp_path_factory.mktemp("ha")
-    with kube.namespace("ha") as ns:
-        kubeconfig, docs = chart_rbac_kubeconfig(kube, api, ns, "ha", tmp / "operator.kubeconfig")
-        e = type("Env", (), {})()
-        e.ns, e.kubeconfig, e.tmp, e.api = ns, str(kubeconfig), tmp, api
-        e.custom, e.apps, e.core = client.CustomObjectsApi(api), client.AppsV1Api(api), client.CoreV1Api(api)
-        e.coord = client.CoordinationV1Api(api)
-        e.procs = []
-        try:
-            yield e
-        finally:
-            for p in e.procs:
-                p.stop()
-            delete_cluster_scoped(api, docs)
-    api.close()
+    with operator_env(kube, tmp_path_factory.mktemp("ha"), "ha", chart_rbac=True) as e:
+        yield e
 
 
 def operator(env, name: str) -> tuple[OperatorProcess, int]:

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.integration.operator_process import (GROUP, PLURAL, REPO, VERSION, OperatorProcess, es_body, install_crd,
-                                                wait_for)
+                                                operator_env, wait_for)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
@@ -53,22 +53,11 @@ def previous_release(dest) -> str:
 
 @pytest.fixture(scope="module")
 def env(kube, tmp_path_factory):
-    from kubernetes import client
-
-    api = kube.api_client()
-    tmp = tmp_path_factory.mktemp("upgrade")
-    with kube.namespace("upgrade") as ns:
-        e = type("Env", (), {})()
-        e.kube, e.ns, e.tmp, e.api = kube, ns, tmp, api
-        e.custom, e.apps, e.core = client.CustomObjectsApi(api), client.AppsV1Api(api), client.CoreV1Api(api)
-        e.procs = []
+    with operator_env(kube, tmp_path_factory.mktemp("upgrade"), "upgrade") as e:
         try:
             yield e
         finally:
-            for p in e.procs:
-                p.stop()
-            install_crd(kube, api)  # HEAD's CRD for the tests after this one, whatever happened here
-    api.close()
+            install_crd(kube, e.api)  # HEAD's CRD for the tests after this one, whatever happened here
 
 
 def operator(env, name: str, root: str | None = None, extra_env: dict | None = None) -> OperatorProcess:

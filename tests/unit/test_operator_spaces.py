@@ -269,3 +269,22 @@ def test_after_reindex_the_jobs_success_promotes_and_its_failure_keeps_the_old_s
     jobs[0]["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
     rec.reconcile("ml", "svc")
     assert serving(kube) == new and "Promoted" in [e[2] for e in kube.events]
+
+
+def test_litellm_names_each_space_during_a_migration(kube):
+    import yaml
+
+    spec = copy.deepcopy(CPU)
+    spec["litellm"] = {"configMapName": "litellm", "modelName": "minilm"}
+    rec = start(kube, spec, replicas=1)
+    entries = lambda: yaml.safe_load(kube.objects[("v1", "ConfigMap", "ml", "litellm")]["data"]["embedops-svc.yaml"])[  # noqa: E731
+        "model_list"]
+    assert [e["model_name"] for e in entries()] == ["minilm"]
+    old_key = spaces(kube)["serving"]["key"]
+    change(kube, pooling="cls")
+    rec.reconcile("ml", "svc")
+    new_key = spaces(kube)["candidate"]["key"]
+    got = {e["model_name"]: e["litellm_params"]["api_base"] for e in entries()}
+    assert got == {"minilm": "http://svc.ml.svc.cluster.local/v1",
+                   f"minilm@{old_key}": f"http://svc-{old_key}.ml.svc.cluster.local/v1",
+                   f"minilm@{new_key}": f"http://svc-{new_key}.ml.svc.cluster.local/v1"}
