@@ -325,7 +325,14 @@ def proxy(kube, routed, svc, real):  # noqa: F811
     set_litellm(svc, RERANK, {"configMapName": LITELLM_CM, "modelName": "reranker"})
 
     def indexed():
-        cm = svc.core.read_namespaced_config_map(LITELLM_CM, svc.ns)
+        from kubernetes.client.rest import ApiException
+
+        try:
+            cm = svc.core.read_namespaced_config_map(LITELLM_CM, svc.ns)
+        except ApiException as exc:  # not written yet: the operator creates it with the first entry
+            if exc.status == 404:
+                return None
+            raise
         return cm if yaml.safe_load((cm.data or {}).get(LITELLM_INDEX, "{}") or "{}").get("include") == [
             f"embedops-{EMBED}.yaml", f"embedops-{RERANK}.yaml"] else None
     wait_for(indexed, timeout=60, what="both entries in the LiteLLM ConfigMap's index")

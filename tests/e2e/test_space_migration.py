@@ -100,13 +100,13 @@ def test_a_model_change_never_mixes_two_spaces_behind_the_service_address(kube, 
     direct = run_client(svc.core, ns, "space-direct", real.server_image, cand["url"], [["/embed", {"inputs": [TEXT]}]],
                         real.node_selector)
     assert direct[0]["status"] == 200
-    time.sleep(5)
+    time.sleep(2)
     promoted = promote(svc, cand["key"])
     wait_for(lambda: spaces_of(svc).get("serving", {}).get("key") == cand["key"], timeout=60, what="promoted")
-    time.sleep(10)
+    time.sleep(5)
     rolled_back = promote(svc, old["key"])
     wait_for(lambda: spaces_of(svc).get("serving", {}).get("key") == old["key"], timeout=60, what="rolled back")
-    time.sleep(10)
+    time.sleep(5)
     exec_in(kube, ns, probe, ["python3", "-c", "open('/tmp/stop', 'w').close()"])
     wait_pod_phase(svc.core, ns, probe, ("Succeeded",), timeout=60)
     answers = [json.loads(x) for x in svc.core.read_namespaced_pod_log(probe, ns).splitlines() if x.startswith("[")]

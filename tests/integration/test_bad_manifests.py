@@ -8,7 +8,7 @@ outside its name (every object it wrote is named after the EmbeddingService, or 
 manifest names), and stops writing once the services are gone (no loop). The counts are printed.
 
 Seeded (derandomize): the same manifests every run, so a failure reproduces; `EMBEDOPS_FUZZ_EXAMPLES` sets how
-many (default 300).
+many (default 200).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from tests.integration.operator_process import GROUP, PLURAL, VERSION, OperatorProcess, es_body, operator_env
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1200)]
-EXAMPLES = int(os.environ.get("EMBEDOPS_FUZZ_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("EMBEDOPS_FUZZ_EXAMPLES", "200"))
 RECONCILE_WITHIN = 45.0
 
 ids = st.sampled_from(["BAAI/bge-small-en-v1.5", "/models/all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2",

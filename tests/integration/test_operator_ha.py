@@ -56,7 +56,7 @@ def create(env, name: str) -> None:
     env.custom.create_namespaced_custom_object(GROUP, VERSION, env.ns, PLURAL, es_body(env.ns, name, CPU_SPEC))
 
 
-def test_one_leader_reconciles_and_the_follower_takes_over_within_15s(env):
+def test_one_leader_reconciles_and_the_follower_takes_over_within_20s(env):
     a, _ = operator(env, "op-a")
     wait_for("op-a holds the Lease", lambda: holder(env).startswith("op-a_"), 60)
     b, b_port = operator(env, "op-b")

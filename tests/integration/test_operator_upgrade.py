@@ -130,7 +130,7 @@ def test_an_operator_upgrade_restarts_nothing_and_a_fleet_image_change_is_paced(
     for name in SERVICES:  # HEAD has reconciled each: its status lists the pinned template
         wait_for(f"{name} reconciled by HEAD", lambda n=name: (env.custom.get_namespaced_custom_object(
             GROUP, VERSION, env.ns, PLURAL, n).get("status") or {}).get("podTemplates"), 60)
-    time.sleep(10)  # a few resyncs
+    time.sleep(6)  # two resyncs
     after, pods_after = deployments(env), pods(env)
     assert sorted(after) == sorted(before), "Deployments created or removed by the upgrade"
     for name, d in before.items():
