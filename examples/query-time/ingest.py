@@ -3,8 +3,15 @@
 Runs as the Kubernetes Job in ingest.yaml (any image with Python 3 and psycopg2). Standard library HTTP only,
 so the same script runs anywhere. Idempotent: a retried Job (backoffLimit) upserts the same rows.
 
+Vectors are state: each answer's `embedding-space` header names the space its vectors belong to, and the rows go
+into a table of that space, `passages_<space>`; a first ingestion also points the view `passages` at it (what
+query.py searches when it embeds through LiteLLM, which does not pass the header on). Run as an EmbeddingService's
+reindex Job (spec.migration.reindex), it embeds through the new space's own address (EMBEDOPS_SPACE_URL) into that
+space's table while the old one keeps serving queries, and leaves the view alone.
+
 Environment:
   EMBED_URL   the embedder's base URL inside the cluster, e.g. http://embedder.rag.svc.cluster.local:80
+              (EMBEDOPS_SPACE_URL, which the operator gives a reindex Job, comes first)
   API_KEY     optional; sent as a Bearer token when the service has apiKeySecretRef
   CORPUS      JSON lines of {"id": ..., "text": ...} (default /app/corpus.jsonl)
   BATCH       inputs per /embed request (default 32: the server's default maxClientBatchSize)
@@ -22,23 +29,24 @@ import urllib.request
 
 import psycopg2
 
-EMBED_URL = os.environ["EMBED_URL"].rstrip("/")
+EMBED_URL = (os.environ.get("EMBEDOPS_SPACE_URL") or os.environ["EMBED_URL"]).rstrip("/")
+REINDEX = bool(os.environ.get("EMBEDOPS_SPACE"))  # run by the operator for a new space: the view is not ours
 API_KEY = os.environ.get("API_KEY", "")
 CORPUS = os.environ.get("CORPUS", "/app/corpus.jsonl")
 BATCH = int(os.environ.get("BATCH", "32"))
 
 
-def embed(texts: list[str]) -> list[list[float]]:
+def embed(texts: list[str]) -> tuple[list[list[float]], str | None]:
     """POST /embed (TEI's route): one vector per text, L2-normalized, so cosine distance is what pgvector
-    ranks by. 429 (the server's backpressure) and 503 (a pod not ready yet) are retried with backoff; other
-    errors stop the Job with the server's message."""
+    ranks by, and the embedding space they belong to. 429 (the server's backpressure) and 503 (a pod not ready
+    yet) are retried with backoff; other errors stop the Job with the server's message."""
     body = json.dumps({"inputs": texts, "normalize": True, "truncate": True}).encode()
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {API_KEY}"} if API_KEY else {})}
     for attempt in range(8):
         req = urllib.request.Request(EMBED_URL + "/embed", data=body, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
-                return json.load(r)
+                return json.load(r), r.headers.get("embedding-space")
         except urllib.error.HTTPError as e:
             if e.code not in (429, 503):
                 sys.exit(f"ingest: /embed answered {e.code}: {e.read().decode(errors='replace')[:500]}")
@@ -69,26 +77,34 @@ def main() -> None:
     conn.autocommit = True
     cur = conn.cursor()
     cur.execute("CREATE EXTENSION IF NOT EXISTS vector")
-    embed_seconds, dim = 0.0, None
+    embed_seconds, dim, space, table = 0.0, None, None, None
     for i in range(0, len(rows), BATCH):
         chunk = rows[i:i + BATCH]
         t = time.monotonic()
-        vectors = embed([r["text"] for r in chunk])
+        vectors, answered = embed([r["text"] for r in chunk])
         embed_seconds += time.monotonic() - t
         if dim is None:
-            dim = len(vectors[0])
-            cur.execute(f"CREATE TABLE IF NOT EXISTS passages (id text PRIMARY KEY, body text NOT NULL, "
+            dim, space = len(vectors[0]), answered
+            # the space's own table (its name: hex digits only); a server without the header: one table
+            table = f"passages_{space}" if space and space.isalnum() else "passages"
+            cur.execute(f"CREATE TABLE IF NOT EXISTS {table} (id text PRIMARY KEY, body text NOT NULL, "
                         f"embedding vector({dim}) NOT NULL)")
-        cur.executemany("INSERT INTO passages (id, body, embedding) VALUES (%s, %s, %s::vector) "
+        elif answered != space:  # the service's space changed under this Job: its rows would mix two spaces
+            sys.exit(f"ingest: the embedding space changed from {space} to {answered} during ingestion; run again")
+        cur.executemany(f"INSERT INTO {table} (id, body, embedding) VALUES (%s, %s, %s::vector) "
                         "ON CONFLICT (id) DO UPDATE SET body = EXCLUDED.body, embedding = EXCLUDED.embedding",
                         [(r["id"], r["text"], json.dumps(v)) for r, v in zip(chunk, vectors)])
     # HNSW on cosine distance: what query.py's ORDER BY embedding <=> ... uses
-    cur.execute("CREATE INDEX IF NOT EXISTS passages_embedding_hnsw ON passages "
+    cur.execute(f"CREATE INDEX IF NOT EXISTS {table}_embedding_hnsw ON {table} "
                 "USING hnsw (embedding vector_cosine_ops)")
-    cur.execute("ANALYZE passages")
-    cur.execute("SELECT count(*) FROM passages")
+    cur.execute(f"ANALYZE {table}")
+    cur.execute("SELECT relkind FROM pg_class WHERE relname = 'passages'")
+    kind = (cur.fetchone() or [None])[0]
+    if table != "passages" and not REINDEX and kind in (None, "v"):  # a table of that name (an older run) stays
+        cur.execute(f"CREATE OR REPLACE VIEW passages AS SELECT id, body, embedding FROM {table}")
+    cur.execute(f"SELECT count(*) FROM {table}")
     stored = cur.fetchone()[0]
-    print(json.dumps({"rows": stored, "corpus": len(rows), "dimension": dim,
+    print(json.dumps({"rows": stored, "corpus": len(rows), "dimension": dim, "space": space, "table": table,
                       "embed_seconds": round(embed_seconds, 3), "seconds": round(time.monotonic() - t0, 3)}))
 
 

@@ -7,8 +7,15 @@ through the Gateway API route; the best KEEP are the answer's context. Standard 
 
     python3 query.py "Which currency is used in Japan?" ["another question" ...]
 
+Vectors are state: LiteLLM does not pass the embedder's `embedding-space` header on, so through it the query
+searches the view `passages` that ingest.py points at the space it ingested. With EMBED_URL set the question is
+embedded at the embedder's own address instead, and searched in the table of the space that answered,
+`passages_<space>`: during a change of the model a query is never compared with vectors of the other space, and a
+space with no table yet is an error rather than noise.
+
 Environment:
   LITELLM_URL, LITELLM_KEY   the proxy's base URL and a key it accepts; EMBED_MODEL its name for the embedder
+  EMBED_URL                  optional: embed at the embedder's Service (and search its space's table) instead
   RERANK_URL                 the reranker's base URL through the gateway (hostname and path prefix included)
   RERANK_HOST                optional Host header, when RERANK_URL names the gateway's own Service instead
                              of a DNS name that resolves to it
@@ -28,9 +35,10 @@ import urllib.request
 
 import psycopg2
 
-LITELLM_URL = os.environ["LITELLM_URL"].rstrip("/")
+EMBED_URL = os.environ.get("EMBED_URL", "").rstrip("/")
+LITELLM_URL = os.environ.get("LITELLM_URL", "").rstrip("/")
 LITELLM_KEY = os.environ.get("LITELLM_KEY", "")
-EMBED_MODEL = os.environ["EMBED_MODEL"]
+EMBED_MODEL = os.environ.get("EMBED_MODEL", "")
 RERANK_URL = os.environ["RERANK_URL"].rstrip("/")
 RERANK_HOST = os.environ.get("RERANK_HOST", "")
 CANDIDATES = int(os.environ.get("CANDIDATES", "50"))
@@ -48,15 +56,25 @@ def post(url: str, body: dict, headers: dict) -> object:
         sys.exit(f"query: {url} answered {e.code}: {e.read().decode(errors='replace')[:500]}")
 
 
-def embed_query(text: str) -> list[float]:
-    """OpenAI's embeddings API on LiteLLM, which forwards to the embedder's /v1/embeddings."""
+def embed_query(text: str) -> tuple[list[float], str]:
+    """The question's vector and the table to search: at the embedder (EMBED_URL), its space's table; else
+    OpenAI's embeddings API on LiteLLM, which forwards to the embedder's /v1/embeddings, and the view."""
+    if EMBED_URL:
+        req = urllib.request.Request(EMBED_URL + "/embed", data=json.dumps({"inputs": [text]}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                space = r.headers.get("embedding-space") or ""
+                return json.load(r)[0], (f"passages_{space}" if space.isalnum() else "passages")
+        except urllib.error.HTTPError as e:
+            sys.exit(f"query: {EMBED_URL} answered {e.code}: {e.read().decode(errors='replace')[:500]}")
     doc = post(LITELLM_URL + "/v1/embeddings", {"model": EMBED_MODEL, "input": [text]},
                {"Authorization": f"Bearer {LITELLM_KEY}"} if LITELLM_KEY else {})
-    return doc["data"][0]["embedding"]
+    return doc["data"][0]["embedding"], "passages"
 
 
-def search(cur, vector: list[float]) -> list[tuple[str, str]]:
-    cur.execute("SELECT id, body FROM passages ORDER BY embedding <=> %s::vector LIMIT %s",
+def search(cur, vector: list[float], table: str = "passages") -> list[tuple[str, str]]:
+    cur.execute(f"SELECT id, body FROM {table} ORDER BY embedding <=> %s::vector LIMIT %s",
                 (json.dumps(vector), CANDIDATES))
     return cur.fetchall()
 
@@ -73,15 +91,15 @@ def main(queries: list[str]) -> None:
     cur.execute(f"SET hnsw.ef_search = {max(EF_SEARCH, CANDIDATES)}")
     for q in queries:
         t0 = time.perf_counter()
-        vector = embed_query(q)
+        vector, table = embed_query(q)
         t1 = time.perf_counter()
-        found = search(cur, vector)
+        found = search(cur, vector, table)
         t2 = time.perf_counter()
         ranked = rerank(q, [body for _, body in found])
         t3 = time.perf_counter()
         kept = ranked[:KEEP]
         print(json.dumps({
-            "query": q, "candidates": [i for i, _ in found],
+            "query": q, "table": table, "candidates": [i for i, _ in found],
             "kept": [found[r["index"]][0] for r in kept], "scores": [r["score"] for r in kept],
             "latency_ms": {"embed_via_litellm": round((t1 - t0) * 1e3, 2), "vector_search": round((t2 - t1) * 1e3, 2),
                            "rerank_via_gateway": round((t3 - t2) * 1e3, 2), "total": round((t3 - t0) * 1e3, 2)},
