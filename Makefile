@@ -28,10 +28,11 @@ demo-binaries:
 
 # The images are built (cached) by the tests that run them; see `images` below. The three prerequisites do
 # not depend on each other, so they run side by side: on a new machine pip's download of torch and the apt
-# packages overlap the Go builds instead of preceding them.
+# packages overlap the Go builds instead of preceding them. pytest then runs in two lanes side by side
+# (scripts/test-lanes.sh): the cluster's tests, and the ones that need no cluster; PYTEST_ARGS go to both.
 test:
 	$(MAKE) --no-print-directory -j3 setup host-packages cluster-binaries
-	$(PY) -m pytest $(PYTEST_ARGS)
+	PY=$(PY) ./scripts/test-lanes.sh $(PYTEST_ARGS)
 
 # The server (CPU) and operator images, built with podman from a debootstrap base and a host wheelhouse,
 # cached in ~/.cache/embedops/images (docs/images.md); prints the refs and containerd archives as JSON.

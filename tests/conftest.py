@@ -34,6 +34,21 @@ REPO = Path(__file__).resolve().parent.parent
 REQUIRE_ALL = os.environ.get("EMBEDOPS_REQUIRE_ALL") == "1"
 
 
+# `make test` runs two pytest processes side by side (scripts/test-lanes.sh): the tests that share the one local
+# cluster (its control plane, real node, images and operator processes), in order, and beside them the tests that
+# need no cluster. Most of the cluster tests' time is waiting (pods, scrapes, autoscaler windows), so the other
+# core does the CPU-bound server tests meanwhile. The lane is chosen by folder, so a new test lands in one.
+CLUSTER_LANE_DIRS = ("tests/e2e/", "tests/integration/", "tests/cluster/")
+NO_CLUSTER_FILES = ("tests/cluster/test_build_script.py",)  # runs the built binaries, writes nothing shared
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        rel = item.path.relative_to(REPO).as_posix()
+        if rel.startswith(CLUSTER_LANE_DIRS) and rel not in NO_CLUSTER_FILES:
+            item.add_marker(pytest.mark.cluster_lane)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# `make test`'s pytest run: two processes side by side on the machine's cores.
+#   cluster lane  the tests that share the one local cluster (tests/e2e, tests/integration, tests/cluster), in
+#                 order, printed as they run: most of their time is spent waiting on pods, scrapes and
+#                 autoscaler windows;
+#   local lane    every other test (server, operator units, bench), CPU-bound, logged to
+#                 .run/test-lanes/local.log and printed after the cluster lane.
+# The lane is chosen by folder (tests/conftest.py marks `cluster_lane`), so every collected test runs in exactly
+# one. The exit status fails when either lane fails. Arguments go to both pytest runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+logs=.run/test-lanes
+mkdir -p "$logs"
+local_log="$logs/local.log"
+
+start=$(date +%s)
+"$PY" -m pytest -m "not cluster_lane" "$@" >"$local_log" 2>&1 &
+local_pid=$!
+# a Ctrl-C or a CI timeout stops both lanes
+trap 'kill "$local_pid" 2>/dev/null' EXIT
+
+"$PY" -m pytest -m cluster_lane "$@"
+cluster_rc=$?
+cluster_end=$(date +%s)
+wait "$local_pid"
+local_rc=$?
+trap - EXIT
+
+echo
+echo "================ local lane (no cluster; ran beside the cluster lane) ================"
+cat "$local_log"
+echo
+echo "lanes: cluster exit $cluster_rc in $((cluster_end - start)) s, local exit $local_rc" \
+     "(log $local_log), $(( $(date +%s) - start )) s in all"
+# 5: no test selected in a lane (arguments that name one lane's tests only)
+ok() { [ "$1" -eq 0 ] || [ "$1" -eq 5 ]; }
+if ok "$cluster_rc" && ok "$local_rc" && ! { [ "$cluster_rc" -eq 5 ] && [ "$local_rc" -eq 5 ]; }; then
+  exit 0
+fi
+[ "$cluster_rc" -ne 0 ] && [ "$cluster_rc" -ne 5 ] && exit "$cluster_rc"
+[ "$local_rc" -ne 0 ] && [ "$local_rc" -ne 5 ] && exit "$local_rc"
+exit 5
