@@ -46,7 +46,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     from . import handlers  # noqa: F401 - registers the handlers
     from . import leader, metrics
 
-    metrics.serve(args.metrics_address)  # every replica: a follower reports embedops_operator_leader 0
+    access = None
+    if args.metrics_address and args.metrics_auth == "kubernetes":
+        from kubernetes import client as k8s
+
+        from .apply import Kube
+        from .metrics_access import KubernetesAccessReview
+
+        access = KubernetesAccessReview(k8s.ApiClient(Kube.configuration()))
+    # every replica serves: a follower reports embedops_operator_leader 0
+    metrics.serve(args.metrics_address, access, args.metrics_cert_dir or None)
 
     # kopf's own peering stays off (standalone); with --leader-elect, leader.py runs kopf only while this
     # process holds the Lease and exits 1 when it loses it
@@ -113,6 +122,13 @@ def parser() -> argparse.ArgumentParser:
                      help="liveness endpoint URL ('' to disable)")
     run.add_argument("--metrics-address", default="0.0.0.0:8081",
                      help="host:port serving the operator's Prometheus /metrics ('' to disable)")
+    run.add_argument("--metrics-auth", choices=["kubernetes", "none"], default="kubernetes",
+                     help="who may read /metrics: 'kubernetes' (a bearer token the API server authenticates and "
+                          "authorizes for GET /metrics, as for a kubelet's metrics) or 'none' (anyone who "
+                          "reaches the port: every watched service's name and state)")
+    run.add_argument("--metrics-cert-dir", default="",
+                     help="folder with tls.crt and tls.key: serve /metrics over HTTPS (e.g. a cert-manager "
+                          "Secret); default plain HTTP")
     from .leader import add_arguments as leader_arguments
     leader_arguments(run)
     run.set_defaults(func=cmd_run)

@@ -21,8 +21,12 @@ Only the leader has a controller: the service families come from it alone.
 from __future__ import annotations
 
 import logging
+import os
+import socketserver
+import ssl
 import threading
 from typing import Iterator
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -116,16 +120,63 @@ class _ControllerCollector:
 REGISTRY.register(_ControllerCollector())
 
 
-def serve(address: str) -> None:
-    """Serve ``/metrics`` on ``host:port`` in a daemon thread ('' or a port of 0: not at all)."""
-    from prometheus_client import start_http_server
+class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a slow scraper never holds the operator's exit
 
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = 10  # seconds a connection may stay silent (a client that opens and never sends holds a thread)
+
+    def log_message(self, format, *args):  # one line per scrape would drown the operator's log
+        pass
+
+
+def app(access=None):
+    """The WSGI app behind /metrics: with ``access`` (metrics_access.KubernetesAccessReview) every request is
+    reviewed first and answered 401, 403 or 503 with a one-line reason when it may not read."""
+    from prometheus_client import make_wsgi_app
+
+    metrics_app = make_wsgi_app(REGISTRY)
+    if access is None:
+        return metrics_app
+
+    def guarded(environ, start_response):
+        decision = access.decide(environ.get("HTTP_AUTHORIZATION"), environ.get("PATH_INFO") or "/")
+        if decision.status == 200:
+            return metrics_app(environ, start_response)
+        reason = {401: "Unauthorized", 403: "Forbidden", 503: "Service Unavailable"}[decision.status]
+        headers = [("Content-Type", "text/plain; charset=utf-8")]
+        if decision.status == 401:
+            headers.append(("WWW-Authenticate", 'Bearer realm="embedops-operator metrics"'))
+        start_response(f"{decision.status} {reason}", headers)
+        return [(decision.message + "\n").encode()]
+
+    return guarded
+
+
+def serve(address: str, access=None, cert_dir: str | None = None):
+    """Serve ``/metrics`` on ``host:port`` in a daemon thread ('' or a port of 0: not at all). ``access``: who
+    may read (None: anyone); ``cert_dir``: a folder with tls.crt and tls.key (a cert-manager Secret) to serve
+    HTTPS. Returns the server (None when not serving)."""
     if not address:
-        return
+        return None
     host, _, port = address.rpartition(":")
     if int(port) == 0:
-        return
+        return None
     try:
-        start_http_server(int(port), addr=host or "0.0.0.0", registry=REGISTRY)
+        server = make_server(host or "0.0.0.0", int(port), app(access), _ThreadingWSGIServer,
+                             handler_class=_QuietHandler)
     except OSError as exc:  # another operator process on this machine (tests, a laptop): reconciling matters more
         log.error("cannot serve /metrics on %s: %s; running without it", address, exc)
+        return None
+    if cert_dir:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(os.path.join(cert_dir, "tls.crt"), os.path.join(cert_dir, "tls.key"))
+        # the handshake in the connection's own thread, not in accept(): a client that stalls mid-handshake
+        # would otherwise stop every other scrape
+        server.socket = ctx.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    log.info("serving /metrics on %s (%s, %s)", address, "HTTPS" if cert_dir else "HTTP",
+             "Kubernetes authentication and authorization" if access else "open to anyone who reaches it")
+    return server

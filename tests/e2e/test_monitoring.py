@@ -60,9 +60,12 @@ def _scrape_the_operator(kube, ns: str, port: int) -> None:
     chart's metrics Service."""
     from localcluster.node import HOST_IP
 
-    endpoint = {**_chart(kube, ns)["ServiceMonitor"]["spec"]["endpoints"][0], "interval": "5s"}
+    chart = _chart(kube, ns)
+    endpoint = {**chart["ServiceMonitor"]["spec"]["endpoints"][0], "interval": "5s"}
+    assert endpoint.get("bearerTokenFile") and len(chart["metrics-reader"]) == 2, (endpoint, chart["metrics-reader"])
     labels = {"app.kubernetes.io/name": "embedops-operator", "app.kubernetes.io/component": "metrics"}
     kube.apply([
+        *chart["metrics-reader"],  # Prometheus' ServiceAccount may get /metrics; the operator asks the API server
         {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "embedops-operator-metrics", "namespace": ns,
                                                              "labels": labels},
          "spec": {"ports": [{"name": "metrics", "port": port, "targetPort": port}]}},
@@ -177,11 +180,17 @@ def _chart(kube, ns_for_rule: str, *sets: str) -> dict[str, dict]:
 
     args = [kube.helm, "template", "embedops", str(REPO / "charts" / "embedops-operator"), "--namespace",
             ns_for_rule, "--set", "alerts.enabled=true", "--set", "metrics.serviceMonitor.enabled=true",
-            "--set", f"alerts.labels.release={monitoring.SELECTOR['release']}"]
+            "--set", f"alerts.labels.release={monitoring.SELECTOR['release']}",
+            "--set", f"metrics.readers[0].namespace={monitoring.NAMESPACE}", "--set", "metrics.readers[0].name=prometheus"]
     for s in sets:
         args += ["--set", s]
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
-    return {d["kind"]: d for d in yaml.safe_load_all(out) if d and d["kind"] in ("PrometheusRule", "ServiceMonitor")}
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    chosen = {d["kind"]: d for d in docs if d["kind"] in ("PrometheusRule", "ServiceMonitor")}
+    # what lets this Prometheus read the operator's /metrics (metrics.auth: kubernetes, the chart's default)
+    chosen["metrics-reader"] = [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")
+                                and d["metadata"]["name"].endswith("-metrics-reader")]
+    return chosen
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +213,13 @@ def operator_scraped(kube, ns, stack, operator, monitored):
         raise AssertionError(f"{e}; operator targets: {pools}; embedops_service_condition: {seen}; "
                              f"jobs: {jobs}; dropped targets: {dropped}") from None
     assert _series(stack, "embedops_operator_leader == 1")
+    # Prometheus got in with its ServiceAccount's token; without one the same port says no
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=10)
+    assert refused.value.code == 401
 
 
 def test_every_dashboard_query_returns_data_under_load(kube, real, ns, svc, stack, monitored, operator_scraped):

@@ -48,9 +48,14 @@ def test_helm_lint_is_clean():
 def test_helm_template_cluster_wide():
     docs = template()
     kinds = sorted(d["kind"] for d in docs)
-    # the operator's ClusterRole, and the two that extend edit/admin and view to EmbeddingServices
-    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
-                     "Deployment", "PodDisruptionBudget", "Role", "RoleBinding", "ServiceAccount"]
+    # the operator's ClusterRole, the two that extend edit/admin and view to EmbeddingServices, the reviews behind
+    # /metrics (bound) and the role a scraper needs to read it (bound only to metrics.readers)
+    assert kinds == ["ClusterRole"] * 5 + ["ClusterRoleBinding"] * 2 + [
+        "CustomResourceDefinition", "Deployment", "PodDisruptionBudget", "Role", "RoleBinding", "ServiceAccount"]
+    roles = {d["metadata"]["name"]: d["rules"] for d in docs if d["kind"] == "ClusterRole"}
+    assert roles["rel-embedops-operator-metrics-reader"] == [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
+    assert {r["resources"][0] for r in roles["rel-embedops-operator-metrics-auth"]} == {
+        "tokenreviews", "subjectaccessreviews"}
     dep = next(d for d in docs if d["kind"] == "Deployment")
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert c["image"] == "ghcr.io/embedops/embedops-operator:0.1.0"
@@ -58,6 +63,7 @@ def test_helm_template_cluster_wide():
     assert not any(a.startswith("--namespace") for a in c["args"])
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert "--metrics-auth=kubernetes" in c["args"] and not any(a.startswith("--metrics-cert-dir") for a in c["args"])
     # HA: two replicas, one reconciling through the Lease, handed over on rollouts, kept by a PDB
     assert dep["spec"]["replicas"] == 2
     assert dep["spec"]["strategy"] == {"type": "RollingUpdate",
@@ -118,7 +124,9 @@ def test_helm_template_namespaced_values():
                     "resources.limits.memory=512Mi")
     bindings = [d for d in docs if d["kind"] == "RoleBinding" and d["roleRef"]["kind"] == "ClusterRole"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ingest", "search"]
-    assert not [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    # the only cluster-wide grant: the token and access reviews behind /metrics (cluster-scoped APIs)
+    assert [d["roleRef"]["name"] for d in docs if d["kind"] == "ClusterRoleBinding"] == [
+        "rel-embedops-operator-metrics-auth"]
     c = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
     assert "--namespace=search" in c["args"] and "--namespace=ingest" in c["args"]
     assert "--log-format=json" in c["args"] and "--verbose" in c["args"]
@@ -151,3 +159,26 @@ def test_rbac_is_exactly_what_the_operator_uses():
     assert rules[("", "services")] == write
     assert ("", "secrets") not in rules  # the API key is only referenced, never read
     assert not any("*" in verbs or res == "*" for (_, res), verbs in rules.items())
+
+
+@needs_helm
+def test_metrics_tls_and_readers_reach_the_pod_and_the_service_monitor():
+    docs = template("metrics.serviceMonitor.enabled=true", "metrics.tls.secretName=operator-metrics-tls",
+                    "metrics.readers[0].namespace=monitoring", "metrics.readers[0].name=prometheus")
+    dep = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    c = dep["containers"][0]
+    assert "--metrics-cert-dir=/etc/embedops/metrics-tls" in c["args"]
+    assert {"name": "metrics-tls", "mountPath": "/etc/embedops/metrics-tls", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "metrics-tls", "secret": {"secretName": "operator-metrics-tls"}} in dep["volumes"]
+    endpoint = next(d for d in docs if d["kind"] == "ServiceMonitor")["spec"]["endpoints"][0]
+    assert endpoint["scheme"] == "https" and endpoint["bearerTokenFile"].endswith("serviceaccount/token")
+    assert endpoint["tlsConfig"] == {"serverName": "rel-embedops-operator-metrics.embedops-system.svc",
+                                     "ca": {"secret": {"name": "operator-metrics-tls", "key": "ca.crt"}}}
+    reader = next(d for d in docs if d["kind"] == "ClusterRoleBinding"
+                  and d["metadata"]["name"] == "rel-embedops-operator-metrics-reader")
+    assert reader["subjects"] == [{"kind": "ServiceAccount", "name": "prometheus", "namespace": "monitoring"}]
+    # metrics.auth=none: no reviews, no token in the ServiceMonitor
+    docs = template("metrics.serviceMonitor.enabled=true", "metrics.auth=none")
+    assert not [d for d in docs if d["metadata"]["name"].endswith("-metrics-auth")]
+    endpoint = next(d for d in docs if d["kind"] == "ServiceMonitor")["spec"]["endpoints"][0]
+    assert "bearerTokenFile" not in endpoint and "scheme" not in endpoint

@@ -80,3 +80,56 @@ def test_queue_wait_is_observed_when_a_worker_takes_a_key():
         assert samples()[("embedops_operator_workqueue_wait_seconds_count", ())] == before + 1
     finally:
         metrics.unwatch(c)
+
+
+def test_an_unreachable_api_server_answers_503_with_a_reason_and_is_asked_again_next_time():
+    """/metrics under metrics.auth=kubernetes while the API server cannot be reached: a 503 that says why (not a
+    500 with a traceback, not an open door), and nothing remembered, so the next scrape reviews again."""
+    import urllib.error
+    import urllib.request
+
+    from kubernetes import client
+
+    from embedops_operator.metrics_access import KubernetesAccessReview
+    from localcluster.pki import free_port
+
+    cfg = client.Configuration()
+    cfg.host = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    cfg.retries = False
+    access = KubernetesAccessReview(client.ApiClient(cfg))
+    port = free_port()
+    server = metrics.serve(f"127.0.0.1:{port}", access)
+    try:
+        for attempt in (1, 2):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": "Bearer t"})
+            try:
+                urllib.request.urlopen(req, timeout=10)
+                raise AssertionError("answered without a review")
+            except urllib.error.HTTPError as e:
+                assert e.code == 503, e.code
+                assert "cannot review the token" in e.read().decode()
+            assert access.reviews == attempt
+        # without a token: 401 at once, no review
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
+        except urllib.error.HTTPError as e:
+            assert e.code == 401 and e.headers["WWW-Authenticate"].startswith("Bearer")
+        assert access.reviews == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_without_access_control_metrics_are_served_to_anyone():
+    import urllib.request
+
+    from localcluster.pki import free_port
+
+    port = free_port()
+    server = metrics.serve(f"127.0.0.1:{port}")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert r.status == 200 and b"embedops_operator_leader" in r.read()
+    finally:
+        server.shutdown()
+        server.server_close()
