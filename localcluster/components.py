@@ -256,6 +256,11 @@ COMPONENTS: tuple[Component, ...] = (
                     version_var="github.com/traefik/traefik/v3/pkg/version.Version"),),
         ("traefik",), version_check=("version",),
         about="Traefik v3 with its Kubernetes Gateway API provider: routes the operator's HTTPRoutes"),
+    # The GitHub workflow users' CI runs (.github/workflows), checked in `make test` (issue 40)
+    Component(
+        "actionlint", "v1.7.12", (GoInstall("github.com/rhysd/actionlint/cmd/actionlint", "actionlint", cgo=False),),
+        ("actionlint",), version_check=("-version",),
+        about="lints .github/workflows: syntax, expressions, action inputs, the shell of run: steps"),
     # Third-party CRDs, the YAML files the projects publish in their Go modules
     Component(
         "prometheus-operator-crds", PROMETHEUS_OPERATOR_VERSION,
