@@ -57,6 +57,41 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped, and EMBEDOPS_REQUIRE_ALL=1 (CI) allows no skip: {reason}"
+    if report.failed and item.get_closest_marker("cluster_lane"):
+        line = disk_pressure_line()
+        if line:
+            report.sections.append(("real node", line))
+
+
+# the session's cluster, for the failure report above (None until the `kube` fixture has started one)
+SESSION_KUBE: Kube | None = None
+
+
+def disk_pressure_line() -> str | None:
+    """One line when the real node is under DiskPressure: the kubelet then evicts pods and deletes unused images,
+    and a test fails minutes later with a message about something else (an APIService without endpoints, a pod
+    in ContainerCreating)."""
+    import shutil
+
+    kube = SESSION_KUBE
+    if kube is None or not kube.real_node:
+        return None
+    try:
+        from kubernetes import client
+
+        with kube.api_client() as api:
+            node = client.CoreV1Api(api).read_node(kube.real_node, _request_timeout=5)
+    except Exception:  # noqa: BLE001 - a report aid: the test's own failure says the rest
+        return None
+    cond = next((c for c in node.status.conditions or [] if c.type == "DiskPressure"), None)
+    if not cond or cond.status != "True":
+        return None
+    from localcluster.controlplane import default_run_dir
+
+    free = shutil.disk_usage(default_run_dir()).free / 2**30
+    return (f"the real node {kube.real_node} is under DiskPressure since {cond.last_transition_time} "
+            f"({free:.1f} GiB free where it keeps its data): the kubelet evicts pods and deletes unused images, "
+            "which no registry gives back here; free disk space and run again")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -97,8 +132,11 @@ def kube():
     from localcluster import node
 
     cluster, kubeconfig, reason = controlplane.start_cluster(controlplane.default_run_dir() / "pytest")
+    global SESSION_KUBE
     try:
-        yield Kube(str(kubeconfig), local=True, helm=helm,
-                   real_node=node.NODE_NAME if reason is None else None, real_node_reason=reason)
+        SESSION_KUBE = Kube(str(kubeconfig), local=True, helm=helm,
+                             real_node=node.NODE_NAME if reason is None else None, real_node_reason=reason)
+        yield SESSION_KUBE
     finally:
+        SESSION_KUBE = None
         cluster.down(quiet=True)
