@@ -279,6 +279,26 @@ def _podman_image(name: str, ctx: Path, containerfile: str, out: Path) -> Path:
     return out
 
 
+# The sandbox image exists only here (no registry can give it back). containerd 1.6 (Debian 12) does not report
+# it as pinned, so under DiskPressure the kubelet's eviction manager deletes it like any unused image, and from
+# then on every new pod on the node stays in ContainerCreating ("failed to pull ... pause"); seen on a machine
+# whose disk reached 98%. A static pod that runs the pause binary itself keeps the image in use: the kubelet
+# removes only images no container runs, and never evicts a static pod.
+IMAGE_KEEPER = "embedops-image-keeper"
+
+
+def image_keeper_pod(pause_name: str) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": IMAGE_KEEPER, "namespace": "kube-system",
+                     "labels": {"app.kubernetes.io/name": IMAGE_KEEPER}},
+        "spec": {"hostNetwork": True, "priorityClassName": "system-node-critical",
+                 "containers": [{"name": "pause", "image": pause_name, "imagePullPolicy": "Never",
+                                 "resources": {"requests": {"cpu": "1m", "memory": "4Mi"},
+                                               "limits": {"memory": "16Mi"}}}]},
+    }
+
+
 def pause_image() -> tuple[str, Path]:
     """The sandbox image: a static C pause() loop, FROM scratch. (name, docker-archive)."""
     h = hashlib.sha256(PAUSE_C.encode()).hexdigest()[:12]
@@ -608,6 +628,10 @@ class RealNode:
         # kubelet --------------------------------------------------------------------------------------
         resolv = d / "resolv.conf"
         resolv.write_text("# no host resolvers: pods only ever see the cluster DNS\n")
+        static = d / "static-pods"
+        shutil.rmtree(static, ignore_errors=True)
+        static.mkdir()
+        (static / f"{IMAGE_KEEPER}.json").write_text(json.dumps(image_keeper_pod(pause_name), indent=1))
         self.kubelet_port = free_port()
         kc = d / "kubelet.yaml"
         kc.write_text(json.dumps({
@@ -626,7 +650,7 @@ class RealNode:
                              "nodefs.inodesFree": "1%", "imagefs.inodesFree": "1%"},
             "evictionPressureTransitionPeriod": "10s",
             "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
-            "podLogsDir": str(d / "pod-logs"), "serializeImagePulls": False,
+            "podLogsDir": str(d / "pod-logs"), "serializeImagePulls": False, "staticPodPath": str(static),
             "registerNode": True, "maxPods": 110, "podCIDR": POD_CIDR,
             "nodeStatusUpdateFrequency": "5s", "nodeStatusReportFrequency": "30s",
             "syncFrequency": "10s", "fileCheckFrequency": "20s", "runtimeRequestTimeout": "2m",

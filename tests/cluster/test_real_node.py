@@ -171,6 +171,20 @@ def test_memory_limit_oomkills(kube, core, ns, real):
     assert t.reason == "OOMKilled", t
 
 
+def test_the_sandbox_image_is_kept_in_use_by_a_static_pod(kube, core, real):
+    """The pause image exists only on this machine; containerd 1.6 does not pin it, so the kubelet would delete
+    it under DiskPressure like any unused image and no pod could start again. A static pod runs it: the kubelet
+    removes only images no container runs and never evicts a static pod."""
+    from localcluster.node import IMAGE_KEEPER, pause_image
+
+    name = f"{IMAGE_KEEPER}-{real['node']}"  # the mirror pod of the node's static pod
+    mirror = wait_for(lambda: _running(core, "kube-system", name), timeout=60, what="the image keeper Running")
+    assert (mirror.metadata.annotations or {}).get("kubernetes.io/config.source") == "file", mirror.metadata
+    assert mirror.spec.node_name == real["node"] and mirror.spec.priority_class_name == "system-node-critical"
+    assert mirror.spec.containers[0].image == pause_image()[0]
+    assert mirror.status.container_statuses[0].state.running, mirror.status.container_statuses
+
+
 def test_deleted_pod_leaves_no_container_netns_or_mount(kube, core, ns, real):
     from localcluster import node
 
