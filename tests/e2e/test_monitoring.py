@@ -37,12 +37,14 @@ def stack(kube, real):  # noqa: F811 - the fixture imported above
 
 
 @pytest.fixture(scope="module")
-def monitored(kube, real, ns, svc, stack, operator):  # noqa: F811
+def monitored(request, kube, real, ns, svc, stack, operator):  # noqa: F811
     """A CPU service whose ServiceMonitor carries the labels this Prometheus selects, scraped every 5 s, with
     autoscaling by KEDA (its CRD only until the KEDA test starts KEDA), and the operator's own ServiceMonitor.
     Both ServiceMonitors go in together: Prometheus' config reloader missed a second config change ten seconds
-    after the first one here and picked it up only on its 3-minute poll."""
-    _scrape_the_operator(kube, ns, operator.metrics_port)
+    after the first one here and picked it up only on its 3-minute poll. The chart's metrics-reader ClusterRole
+    and binding are removed afterwards (the chart's own install in test_real_pods.py must not find them)."""
+    reader_rbac = _scrape_the_operator(kube, ns, operator.metrics_port)
+    request.addfinalizer(lambda: _delete_cluster_scoped(kube, reader_rbac))
     doc = on_real_node(example(), real)
     doc["metadata"]["name"] = NAME
     doc["spec"]["monitoring"] = {"serviceMonitor": {"labels": dict(monitoring.SELECTOR), "interval": "5s"}}
@@ -54,7 +56,14 @@ def monitored(kube, real, ns, svc, stack, operator):  # noqa: F811
     return doc
 
 
-def _scrape_the_operator(kube, ns: str, port: int) -> None:
+def _delete_cluster_scoped(kube, docs: list[dict]) -> None:
+    from tests.integration.operator_process import delete_cluster_scoped
+
+    with kube.api_client() as api:
+        delete_cluster_scoped(api, docs)
+
+
+def _scrape_the_operator(kube, ns: str, port: int) -> list[dict]:
     """The chart's metrics ServiceMonitor endpoint (honorLabels and all) for the operator, which runs on this
     machine here: a Service without selector and its Endpoints at the node's bridge address stand in for the
     chart's metrics Service."""
@@ -76,6 +85,7 @@ def _scrape_the_operator(kube, ns: str, port: int) -> None:
          "metadata": {"name": "embedops-operator", "namespace": ns, "labels": dict(monitoring.SELECTOR)},
          "spec": {"selector": {"matchLabels": labels}, "namespaceSelector": {"matchNames": [ns]},
                   "endpoints": [endpoint]}}])
+    return chart["metrics-reader"]
 
 
 def _series(stack, promql: str, timeout: float = 60) -> list[dict]:

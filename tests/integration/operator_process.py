@@ -151,6 +151,21 @@ def operator_env(kube, tmp: Path, prefix: str, chart_rbac: bool = False):
     api.close()
 
 
+def settle_after_outage(kube, timeout: float = 180.0) -> float:
+    """After a test stopped the API server: wait until the controller-manager acts on new objects again (a new
+    namespace gets its default ServiceAccount), so the next test starts on a whole cluster. Its informers come back
+    on client-go's reflector back-off, which after a 20 s outage can wait ~50 s more (30 s cap, jitter up to 2x):
+    the test after the HA test once waited over 60 s for a namespace's ServiceAccount. Returns the seconds taken."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            with kube.namespace("settle"):
+                return time.monotonic() - t0
+        except TimeoutError:
+            if time.monotonic() - t0 > timeout:
+                raise
+
+
 def delete_cluster_scoped(api, docs: list[dict]) -> None:
     from kubernetes import client
 
