@@ -256,6 +256,17 @@ COMPONENTS: tuple[Component, ...] = (
                     version_var="github.com/traefik/traefik/v3/pkg/version.Version"),),
         ("traefik",), version_check=("version",),
         about="Traefik v3 with its Kubernetes Gateway API provider: routes the operator's HTTPRoutes"),
+    # NetworkPolicy on the real node (issue 35): kube-router's policy controller alone (no routing, no service
+    # proxy), a host process beside kube-proxy. v2.1.0 is the only v2 release the module proxy serves here
+    # (later ones: 403); sig-network's kube-network-policies needs nfqueue, which this kernel lacks
+    # (docs/security.md).
+    Component(
+        "kube-router", "v2.1.0",
+        (GoInstall("github.com/cloudnativelabs/kube-router/v2/cmd/kube-router", "kube-router",
+                   version_var="github.com/cloudnativelabs/kube-router/v2/pkg/version.Version",
+                   stamped_version="v2.1.0"),),
+        ("kube-router",), version_check=("--version",),
+        about="enforces NetworkPolicy on the real node (its firewall controller only)"),
     # The GitHub workflow users' CI runs (.github/workflows), checked in `make test` (issue 40)
     Component(
         "actionlint", "v1.7.12", (GoInstall("github.com/rhysd/actionlint/cmd/actionlint", "actionlint", cgo=False),),
@@ -283,7 +294,7 @@ BY_NAME = {c.name: c for c in COMPONENTS}
 # Named sets. The demo builds only what it runs (no Flux, no kstatus CLI, no helm); the tests build all.
 CRDS = ("prometheus-operator-crds", "gateway-api", "keda")
 CONTROL_PLANE = ("k8s", "kwok", "etcd")
-DEMO = (*CONTROL_PLANE, "coredns", *CRDS)
+DEMO = (*CONTROL_PLANE, "coredns", "kube-router", *CRDS)
 TESTS = tuple(c.name for c in COMPONENTS)
 MONITORING = ("prometheus-operator", "prometheus", "prometheus-operator-crds", "keda-controllers", "prometheus-adapter")
 GATEWAY = ("traefik", "gateway-api")

@@ -3,7 +3,8 @@
 containerd (Debian's, with runc) runs the pods; the CNI bridge plugin puts them on ``embedops0``
 (10.245.0.0/24, the host is 10.245.0.1); kube-proxy (iptables mode) implements Services (10.96.0.0/16);
 CoreDNS (``localcluster/recipes/coredns``, kubernetes plugin only, no forwarding) answers ``cluster.local`` on
-10.245.0.1:53. The kwok nodes of the same cluster keep running no containers.
+10.245.0.1:53; kube-router's firewall controller (only that: no routing, no service proxy) enforces NetworkPolicy
+for the node's pods with iptables and ipsets. The kwok nodes of the same cluster keep running no containers.
 
 Traffic never leaves the machine: before anything starts, the pod and Service ranges are routed to the
 bridge, kwok's fake pod range (10.244.0.0/16) is a blackhole route, and two guard chains in the ``mangle``
@@ -12,7 +13,7 @@ bridge-to-bridge and every packet first addressed to a pod/Service/kwok address 
 another interface than the bridge or loopback. The CNI config has no ipMasq and no portmap.
 
 Everything created is written to a machine-wide record (``/run/embedops/node/record.json``) *before* it is
-created: processes (PID, argv0, start time), interfaces, routes, iptables chains and rules, nft tables,
+created: processes (PID, argv0, start time), interfaces, routes, iptables chains and rules, nft tables, ipsets,
 cgroup dirs, sysctls with their old values, dirs outside the run dir. ``down()`` removes exactly that;
 ``up()`` first removes what a crashed or killed previous owner left. One real node per machine: a second
 owner gets ``RealNodeInUse`` ("in use by <run dir>").
@@ -226,6 +227,18 @@ def _ours(chain: str) -> bool:
     return chain.startswith(("KUBE-", "EMBEDOPS-"))
 
 
+def _kube_router_set(name: str) -> bool:
+    """kube-router's ipsets: KUBE-SRC-*/KUBE-DST-* per policy, kube-router-* for the node (inet6: for IPv6)."""
+    return name.removeprefix("inet6:").startswith(("KUBE-", "kube-router-"))
+
+
+def _ipsets() -> list[str]:
+    if not shutil.which("ipset"):
+        return []
+    p = _run("ipset", "list", "-n", check=False)
+    return sorted(p.stdout.split()) if p.returncode == 0 else []
+
+
 def _nft_tables() -> list[str]:
     if not shutil.which("nft"):
         return []
@@ -354,16 +367,18 @@ class NodeBinaries:
     kubelet: Path
     kube_proxy: Path
     coredns: Path
+    kube_router: Path
 
     @classmethod
     def from_cache(cls) -> "NodeBinaries":
         from .components import provided
 
         b = cls(kubelet=provided("k8s", "kubelet"), kube_proxy=provided("k8s", "kube-proxy"),
-                coredns=provided("coredns"))
-        missing = [str(p) for p in (b.kubelet, b.kube_proxy, b.coredns) if not os.access(p, os.X_OK)]
+                coredns=provided("coredns"), kube_router=provided("kube-router"))
+        missing = [str(p) for p in (b.kubelet, b.kube_proxy, b.coredns, b.kube_router) if not os.access(p, os.X_OK)]
         if missing:
-            raise RealNodeUnavailable("real-node binaries missing (python -m localcluster.build k8s coredns): "
+            raise RealNodeUnavailable("real-node binaries missing (python -m localcluster.build k8s coredns "
+                                      "kube-router): "
                                       + ", ".join(missing))
         return b
 
@@ -373,7 +388,7 @@ def preflight() -> str | None:
     if os.geteuid() != 0:
         return "the real node needs root (kubelet, containerd, bridge, iptables)"
     for tool in ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "iptables", "iptables-save", "ip",
-                 "conntrack"):
+                 "conntrack", "ipset"):
         if not shutil.which(tool):
             return f"{tool} is not installed (scripts/host-packages.sh)"
     for plugin in ("bridge", "host-local", "loopback"):
@@ -455,7 +470,8 @@ class RealNode:
             rec = {"owner": str(self.run_dir), "creator_pid": os.getpid(), "creator_start": _proc_start(os.getpid()),
                    "created": time.time(),
                    "data": str(self.data), "state": str(STATE), "procs": [], "sysctls": {}, "links": [],
-                   "routes": [], "iptables": {}, "nft_tables_before": _nft_tables(), "cgroups": [],
+                   "routes": [], "iptables": {}, "nft_tables_before": _nft_tables(), "ipsets_before": _ipsets(),
+                   "cgroups": [],
                    "outside_dirs": [d for d in OUTSIDE_DIRS if not os.path.lexists(d)]}
             # Which dirs existed before: /run/embedops is created just above by the lock, so check its parent's
             # own bookkeeping: it is ours if nothing but our lock and state dir is in it.
@@ -569,11 +585,12 @@ class RealNode:
         npki = d / "pki"
         for name, subj in (("kubelet-client", f"/O=system:nodes/CN=system:node:{NODE_NAME}"),
                            ("kube-proxy", "/CN=system:kube-proxy"),
-                           ("coredns", "/CN=embedops:coredns")):
+                           ("coredns", "/CN=embedops:coredns"),
+                           ("kube-router", "/CN=embedops:kube-router")):
             make_client_cert(pki, npki, name, subj)
         make_serving_cert(pki, npki, "kubelet-serving", f"/CN={NODE_NAME}", [f"IP:{HOST_IP}", f"DNS:{NODE_NAME}"])
         kcs = {}
-        for name in ("kubelet-client", "kube-proxy", "coredns"):
+        for name in ("kubelet-client", "kube-proxy", "coredns", "kube-router"):
             kcs[name] = d / f"{name}.kubeconfig"
             _write_kubeconfig(kcs[name], server, pki / "ca.crt", npki / f"{name}.crt", npki / f"{name}.key")
 
@@ -625,6 +642,7 @@ class RealNode:
         }, indent=1))
         self._spawn("kube-proxy", [str(bins.kube_proxy), f"--config={kp}", "--v=1"])
 
+
         # kubelet --------------------------------------------------------------------------------------
         resolv = d / "resolv.conf"
         resolv.write_text("# no host resolvers: pods only ever see the cluster DNS\n")
@@ -669,6 +687,20 @@ class RealNode:
         from kubernetes import client
 
         self._finish(client.CoreV1Api(api), t_kubelet, timeout)
+
+        # kube-router: NetworkPolicy only, started once its Node exists (it exits when it cannot find it). It
+        # admits the node's own traffic to its pods (kubelet probes) and rejects (not drops) what a policy refuses,
+        # so a refused client hears so at once. Its iptables chains (KUBE-ROUTER-*, KUBE-POD-FW-*, KUBE-NWPLCY-*)
+        # and ipsets are removed by down() from the record, not by `--cleanup-config`, which panics in v2.1.0
+        # (its service proxy's hairpin cleanup) and leaves them.
+        self._spawn("kube-router", [
+            str(bins.kube_router), f"--kubeconfig={kcs['kube-router']}", f"--hostname-override={NODE_NAME}",
+            "--run-firewall=true", "--run-router=false", "--run-service-proxy=false", "--enable-cni=false",
+            # no sockets: its health port would listen on every interface (it has no address flag); its first
+            # sync's chain tells that it runs
+            "--health-port=0", "--metrics-port=0", "--v=1"])
+        self._wait("kube-router's first sync", lambda: _run("iptables", "-t", "filter", "-S", "KUBE-ROUTER-FORWARD",
+                                                            check=False).returncode == 0, timeout)
         self.up_seconds = round(time.monotonic() - t0, 1)
 
     def _finish(self, core, t_kubelet: float, timeout: float) -> None:
@@ -847,6 +879,13 @@ def _teardown(rec: dict) -> list[str]:
                 p = _run(cmd, "-t", table, "-X", c, check=False)
                 if p.returncode != 0:
                     problems.append(f"{cmd} -t {table} chain {c}: {p.stderr.strip()}")
+    # kube-router's ipsets (referenced by the rules just removed), those that were not there before
+    before_sets = set(rec.get("ipsets_before", []))
+    for name in _ipsets():
+        if name not in before_sets and _kube_router_set(name):
+            p = _run("ipset", "destroy", name, check=False)
+            if p.returncode != 0:
+                problems.append(f"ipset {name}: {p.stderr.strip()}")
     before_nft = set(rec.get("nft_tables_before", []))
     for t in _nft_tables():
         if t in before_nft:
@@ -946,6 +985,7 @@ def leftovers(rec: dict) -> list[str]:
                     if (" -j KUBE-" in r or " -j EMBEDOPS-" in r)
                     and r not in rec.get("iptables", {}).get(cmd + "_rules", {}).get(table, [])]
     out += [f"nft table {t}" for t in _nft_tables() if t not in rec.get("nft_tables_before", [])]
+    out += [f"ipset {n}" for n in _ipsets() if _kube_router_set(n) and n not in rec.get("ipsets_before", [])]
     out += [f"cgroup {c}" for c in rec.get("cgroups", []) if os.path.exists(c)]
     for k, v in rec.get("sysctls", {}).items():
         if _sysctl_get(k) != v:
@@ -974,7 +1014,9 @@ def _apply_rbac(api) -> None:
 
     rbac = client.RbacAuthorizationV1Api(api)
     for doc, create in ((COREDNS_RBAC[0], rbac.create_cluster_role),
-                        (COREDNS_RBAC[1], rbac.create_cluster_role_binding)):
+                        (COREDNS_RBAC[1], rbac.create_cluster_role_binding),
+                        (KUBE_ROUTER_RBAC[0], rbac.create_cluster_role),
+                        (KUBE_ROUTER_RBAC[1], rbac.create_cluster_role_binding)):
         try:
             create(doc)
         except ApiException as e:
@@ -992,6 +1034,21 @@ COREDNS_RBAC = [
      "metadata": {"name": "embedops:coredns"},
      "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "embedops:coredns"},
      "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "embedops:coredns"}]},
+]
+
+# What kube-router's controllers read (its own firewall DaemonSet's ClusterRole, without the write verbs that
+# routing and the service proxy need)
+KUBE_ROUTER_RBAC = [
+    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+     "metadata": {"name": "embedops:kube-router"},
+     "rules": [{"apiGroups": [""], "resources": ["namespaces", "pods", "services", "nodes", "endpoints"],
+                "verbs": ["get", "list", "watch"]},
+               {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["get", "list", "watch"]},
+               {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]},
+    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+     "metadata": {"name": "embedops:kube-router"},
+     "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "embedops:kube-router"},
+     "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "embedops:kube-router"}]},
 ]
 
 CONTAINERD_TOML = """\

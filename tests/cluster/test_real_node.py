@@ -140,6 +140,35 @@ def _try(fn):
         return None
 
 
+def test_network_policy_is_enforced_by_kube_router(kube, core, ns, real):
+    """kube-router's firewall on the node: a policy admitting one namespace lets that namespace's pod in, refuses
+    another namespace's at once (a reject, not a silent drop), and the node itself (kubelet probes) still gets
+    through. Its ipsets exist meanwhile (down() removes what is left of them; the last test checks)."""
+    from localcluster.node import _ipsets, _kube_router_set
+
+    kube.apply([_pod(real, "fw", "exec nc -ll -p 8080 -e /bin/echo hello-fw", labels={"app": "fw"}),
+                _pod(real, "friend", "exec sleep 3600")], namespace=ns)
+    kube.apply([{"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "fw"},
+                 "spec": {"podSelector": {"matchLabels": {"app": "fw"}}, "policyTypes": ["Ingress"],
+                          "ingress": [{"from": [{"podSelector": {}}], "ports": [{"port": 8080, "protocol": "TCP"}]}]}}],
+               namespace=ns)
+    fw = wait_for(lambda: _running(core, ns, "fw"), timeout=60, what="fw Running")
+    wait_for(lambda: _running(core, ns, "friend"), timeout=60, what="friend Running")
+    ip = fw.status.pod_ip
+    nc = ["nc", "-w", "3", ip, "8080"]
+    out = wait_for(lambda: _kubectl(kube, "-n", ns, "exec", "friend", "--", *nc, check=False).stdout, timeout=30,
+                   what="the same namespace admitted")
+    assert out == "hello-fw\n"
+    assert wait_for(lambda: _try(lambda: _tcp_read(ip, 8080)), timeout=20, what="the node admitted") == b"hello-fw\n"
+    with kube.namespace("rn-other") as other:
+        kube.apply([_pod(real, "stranger", "exec sleep 3600")], namespace=other)
+        wait_for(lambda: _running(core, other, "stranger"), timeout=60, what="stranger Running")
+        refused = _kubectl(kube, "-n", other, "exec", "stranger", "--", *nc, check=False)
+        assert refused.stdout == "" and refused.returncode != 0, refused
+        assert "refused" in refused.stderr.lower(), refused.stderr  # rejected: the client hears it at once
+    assert any(_kube_router_set(n) for n in _ipsets()), _ipsets()
+
+
 def test_cluster_dns_in_a_pod_and_nothing_outside(kube, core, ns, real):
     kube.apply([_pod(real, "dns", "exec sleep 3600"),
                 {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "named"},
@@ -332,6 +361,8 @@ def test_z_down_leaves_nothing_then_back(kube, real):
     cluster = controlplane.Cluster(run_dir=controlplane.default_run_dir() / "pytest", real_node=True)
     rec = node.RealNode._load()
     assert rec and rec["owner"] == str(cluster._node().run_dir)
+    assert "kube-router" in [p["name"] for p in rec["procs"]]
+    assert node._run("iptables", "-S", "KUBE-ROUTER-FORWARD", check=False).returncode == 0  # its chains, to remove
     assert cluster._node().down() == []
     assert node.leftovers(rec) == []
     # back, as the session had it
