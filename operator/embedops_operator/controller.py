@@ -1,7 +1,7 @@
 """Wiring: watch caches → a work queue of EmbeddingService keys → worker threads running the reconciler.
 
 - One informer (watchcache.py) per watched kind (and per namespace when the operator is limited to some):
-  EmbeddingServices; the Deployments, Services, Pods, PodDisruptionBudgets and HPAs labelled
+  EmbeddingServices; the Deployments, Services, Pods, PodDisruptionBudgets, HPAs, Jobs and NetworkPolicies labelled
   `app.kubernetes.io/managed-by=embedops`; ConfigMaps labelled `embedops.dev/litellm=true`; and the optional
   kinds (ServiceMonitor, HTTPRoute, ScaledObject), each started when discovery finds its CRD and stopped when
   it goes.
@@ -43,6 +43,7 @@ CORE_KINDS: dict[tuple[str, str], str | None] = {
     ("policy/v1", "PodDisruptionBudget"): MANAGED,
     ("autoscaling/v2", "HorizontalPodAutoscaler"): MANAGED,
     ("batch/v1", "Job"): MANAGED,  # a new embedding space's reindex Job: its end promotes
+    ("networking.k8s.io/v1", "NetworkPolicy"): MANAGED,  # spec.networkPolicy: drift is put back
     ("v1", "ConfigMap"): f"{render.LABEL_LITELLM}=true",
 }
 

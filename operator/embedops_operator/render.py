@@ -34,6 +34,7 @@ ANNOTATION_HASH = "embedops.dev/applied-hash"
 SERVICEMONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
 HTTPROUTE = ("gateway.networking.k8s.io/v1", "HTTPRoute")
 SCALEDOBJECT = ("keda.sh/v1alpha1", "ScaledObject")
+NETWORKPOLICY = ("networking.k8s.io/v1", "NetworkPolicy")
 OPTIONAL_KINDS = (SERVICEMONITOR, HTTPROUTE, SCALEDOBJECT)
 FEATURE_OF_KIND = {SERVICEMONITOR: "monitoring", HTTPROUTE: "routes", SCALEDOBJECT: "autoscaling"}  # spec feature
 
@@ -80,6 +81,12 @@ class Options:
     # `max_concurrent_upgrades` services at a time, each Ready before the next starts (reconcile.py)
     pod_upgrades: str = "Keep"
     max_concurrent_upgrades: int = 1
+    # Where the platform's callers run, for services with spec.networkPolicy (the chart's networkPolicy.*): the
+    # gateway's pods (admitted when the service has a route), Prometheus' (when it has a ServiceMonitor) and
+    # KEDA's operator (the scale-from-zero demand on the activator's admin port)
+    gateway_namespaces: tuple[str, ...] = ()
+    prometheus_namespaces: tuple[str, ...] = ()
+    keda_namespaces: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls, capabilities: frozenset[tuple[str, str]] | None = None) -> "Options":
@@ -91,7 +98,15 @@ class Options:
             capabilities=base.capabilities if capabilities is None else capabilities,
             pod_upgrades="Roll" if os.environ.get("EMBEDOPS_POD_UPGRADES", "").lower() == "roll" else "Keep",
             max_concurrent_upgrades=max(1, int(os.environ.get("EMBEDOPS_MAX_CONCURRENT_UPGRADES", "1") or 1)),
+            gateway_namespaces=_names(os.environ.get("EMBEDOPS_GATEWAY_NAMESPACES", "")),
+            prometheus_namespaces=_names(os.environ.get("EMBEDOPS_PROMETHEUS_NAMESPACES", "")),
+            keda_namespaces=_names(os.environ.get("EMBEDOPS_KEDA_NAMESPACES", "")),
         )
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma- or space-separated list of namespaces, sorted and without duplicates."""
+    return tuple(sorted({n for n in text.replace(",", " ").split() if n}))
 
 
 # ---------------------------------------------------------------------------------------------------- template revisions
@@ -831,6 +846,51 @@ def activator_deployment(name: str, ns: str, spec: EmbeddingServiceSpec, options
                      "selector": {"matchLabels": activator_selector(name)}, "template": template}}
 
 
+# ------------------------------------------------------------------------------------ network policy
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set on every namespace by the API server (1.22+)
+
+
+def _from_namespaces(names) -> dict:
+    return {"namespaceSelector": {"matchExpressions": [
+        {"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": sorted(set(names))}]}}
+
+
+def network_policy(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, options: Options) -> dict:
+    """Ingress to the service's pods (every track's model pods and the activator: the service label) from what
+    calls them, on the port each listens on; egress is left alone (the download step reaches the Hub). Peers:
+    the service's own namespace (or, with allowSameNamespace false, only its activator and reindex Jobs there),
+    the namespaces the manifest lists, the gateway's namespaces when the service has a route and Prometheus'
+    when it has a ServiceMonitor (both from the chart), and KEDA's on the activator's admin port when it
+    scales to zero. Implementations admit the node's own traffic (kubelet probes) whatever the policy says."""
+    npol = spec.network_policy
+    assert npol is not None
+    peers: list[dict] = []
+    if npol.allow_same_namespace:
+        peers.append({"podSelector": {}})
+    else:
+        peers.append({"podSelector": {"matchLabels": activator_selector(name)}})
+        peers.append({"podSelector": {"matchLabels": {LABEL_SERVICE: name, LABEL_COMPONENT: "reindex"}}})
+    names = set(npol.from_namespaces)
+    if spec.gateway:
+        names |= set(options.gateway_namespaces)
+    if spec.monitoring.service_monitor.enabled:
+        names |= set(options.prometheus_namespaces)
+    if npol.allow_same_namespace:
+        names.discard(ns)  # already admitted, every pod of it
+    if names:
+        peers.append(_from_namespaces(names))
+    # the model server and the activator both serve the API on SERVER_PORT (== ACTIVATOR_PORT), and /metrics there
+    rules: list[dict] = [{"from": peers, "ports": [{"protocol": "TCP", "port": SERVER_PORT}]}]
+    a = spec.autoscaling
+    if a is not None and a.min_replicas == 0 and options.keda_namespaces:
+        rules.append({"from": [_from_namespaces(options.keda_namespaces)],
+                      "ports": [{"protocol": "TCP", "port": ACTIVATOR_ADMIN_PORT}]})
+    return {"apiVersion": NETWORKPOLICY[0], "kind": NETWORKPOLICY[1],
+            "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner),
+            "spec": {"podSelector": {"matchLabels": {LABEL_SERVICE: name}}, "policyTypes": ["Ingress"],
+                     "ingress": rules}}
+
+
 def service_monitor(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
     sm = spec.monitoring.service_monitor
     labels = {**common_labels(name, detect_task(spec.model)), **sm.labels}
@@ -1030,6 +1090,9 @@ def render(resource: dict, options: Options | None = None, pins: Pins | None = N
         out.append(scaled_object(name, ns, spec, owner, options, tracks.serving))
     elif scaler == "hpa":
         out.append(hpa(name, ns, spec, owner, tracks.serving))
+    if spec.network_policy and spec.network_policy.enabled:
+        # right after the Deployment, before any Service publishes its pods
+        out.insert(1, network_policy(name, ns, spec, owner, options))
     if spec.litellm:
         out.append(litellm_config_map(name, ns, spec, options, tracks.spaces))
     for obj in out:

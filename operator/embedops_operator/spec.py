@@ -363,6 +363,21 @@ class Monitoring(Model):
         "as embedops_service_p99_budget_seconds). Unset: the chart's alerts.defaultP99LatencySeconds.")
 
 
+# A namespace's name (RFC 1123 label), matched through the kubernetes.io/metadata.name label the API server sets
+NamespaceName = Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
+
+
+class NetworkPolicy(Model):
+    enabled: bool = Field(True, description="Render the NetworkPolicy (false: none, and the operator's is removed).")
+    from_namespaces: list[NamespaceName] = Field(default_factory=list, max_length=64, description=(
+        "Namespaces whose pods may call the service (its LiteLLM proxy's, an ingestion job's, ...). Always "
+        "admitted besides: the gateway's and Prometheus' namespaces as the operator's chart names them (when the "
+        "service has a gateway route and a ServiceMonitor), and the node's own traffic (kubelet probes)."))
+    allow_same_namespace: bool = Field(True, description=(
+        "Admit every pod of the service's own namespace. false: only the service's activator and its reindex "
+        "Jobs there."))
+
+
 class LocalObjectReference(Model):
     name: str
 
@@ -398,6 +413,8 @@ class EmbeddingServiceSpec(Model):
     litellm: LiteLLM | None = None
     monitoring: Monitoring = Field(default_factory=Monitoring, json_schema_extra={"default": {}})
     api_key_secret_ref: SecretKeyRef | None = Field(None, description="Secret key holding the API key (env API_KEY).")
+    network_policy: NetworkPolicy | None = Field(None, description=(
+        "An ingress NetworkPolicy for the service's pods (opt-in): only the namespaces it admits reach them."))
     drain_seconds: int = Field(15, ge=0, le=600, description="preStop delay that lets in-flight requests finish.")
     rollout: Rollout | None = None
     migration: Migration = Field(default_factory=Migration, json_schema_extra={"default": {}}, description=(

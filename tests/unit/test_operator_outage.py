@@ -179,6 +179,7 @@ def controller():
         ("policy/v1", "PodDisruptionBudget"): cached("pdb"),
         ("autoscaling/v2", "HorizontalPodAutoscaler"): cached("hpa"),
         ("batch/v1", "Job"): cached("job"),
+        R.NETWORKPOLICY: cached("netpol"),
         ("v1", "Pod"): cached("pod", child("Pod", "a-1", 5, **{R.LABEL_INSTANCE: "a", R.LABEL_SERVICE: "a"})),
     }
     return c
@@ -242,5 +243,5 @@ def test_recovery_requeues_failed_services_and_wakes_informers():
     c.kube.health.failed(refused())
     c.kube.health.ok()
     assert c.queue.get(0) == (key, True)
-    assert len(woken) == len(c.cache.informers) == 7
+    assert len(woken) == len(c.cache.informers) == 8
     c.queue.close()

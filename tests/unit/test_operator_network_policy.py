@@ -1,0 +1,119 @@
+"""spec.networkPolicy: the ingress NetworkPolicy the operator renders (opt-in), and that it is owned and pruned
+like every other child. Enforcement is tested on the real node with kube-router (tests/e2e/test_monitoring.py)."""
+from __future__ import annotations
+
+import copy
+
+from embedops_operator import apply as A
+from embedops_operator import controller as C
+from embedops_operator import render as R
+from embedops_operator.validate import defaulted, validate
+from tests.unit.operator_helpers import CPU, es
+
+PLATFORM = R.Options(gateway_namespaces=("gateway",), prometheus_namespaces=("monitoring",),
+                     keda_namespaces=("keda",))
+
+
+def policy(spec: dict, options: R.Options = PLATFORM, **kw) -> dict | None:
+    out = R.render(defaulted(es(spec, **kw)), options)
+    found = [m for m in out if m["kind"] == "NetworkPolicy"]
+    assert len(found) <= 1
+    return found[0] if found else None
+
+
+def with_policy(**npol) -> dict:
+    spec = copy.deepcopy(CPU)
+    spec["networkPolicy"] = npol
+    return spec
+
+
+def namespaces(peer: dict) -> list[str]:
+    (expr,) = peer["namespaceSelector"]["matchExpressions"]
+    assert expr["key"] == "kubernetes.io/metadata.name" and expr["operator"] == "In"
+    return expr["values"]
+
+
+def test_no_policy_unless_the_manifest_asks():
+    assert policy(CPU) is None
+    assert policy(with_policy(enabled=False)) is None
+
+
+def test_own_namespace_prometheus_and_listed_namespaces_on_the_server_port():
+    p = policy(with_policy(fromNamespaces=["rag-jobs", "litellm", "rag-jobs"]), uid="u-1")
+    assert p["apiVersion"] == "networking.k8s.io/v1" and p["metadata"]["name"] == "svc"
+    assert p["metadata"]["namespace"] == "ml"
+    assert p["metadata"]["ownerReferences"][0]["uid"] == "u-1"  # owned, so pruned and garbage-collected
+    assert p["spec"]["policyTypes"] == ["Ingress"]  # egress untouched: the download step reaches the Hub
+    # every track's model pods and the activator carry the service label; nothing else of the operator's does
+    assert p["spec"]["podSelector"] == {"matchLabels": {R.LABEL_SERVICE: "svc"}}
+    (rule,) = p["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": R.SERVER_PORT}]
+    same, others = rule["from"]
+    assert same == {"podSelector": {}}
+    # the ServiceMonitor is on by default: Prometheus' namespace; no gateway route: not the gateway's
+    assert namespaces(others) == ["litellm", "monitoring", "rag-jobs"]
+
+
+def test_gateway_namespaces_only_with_a_route_and_prometheus_only_with_a_service_monitor():
+    spec = with_policy()
+    spec["gateway"] = {"parentRefs": [{"name": "public", "namespace": "edge"}], "allowUnauthenticated": True}
+    spec["monitoring"] = {"serviceMonitor": {"enabled": False}}
+    (rule,) = policy(spec)["spec"]["ingress"]
+    assert namespaces(rule["from"][1]) == ["gateway"]
+    spec.pop("gateway")
+    (rule,) = policy(spec)["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {}}]  # nothing from outside the namespace
+
+
+def test_the_own_namespace_is_not_listed_twice():
+    (rule,) = policy(with_policy(fromNamespaces=["ml"]))["spec"]["ingress"]
+    assert namespaces(rule["from"][1]) == ["monitoring"]
+
+
+def test_without_the_same_namespace_only_the_activator_and_reindex_jobs_from_it():
+    (rule,) = policy(with_policy(allowSameNamespace=False, fromNamespaces=["ml"]))["spec"]["ingress"]
+    activator, reindex, outside = rule["from"]
+    assert activator == {"podSelector": {"matchLabels": R.activator_selector("svc")}}
+    assert reindex == {"podSelector": {"matchLabels": {R.LABEL_SERVICE: "svc", R.LABEL_COMPONENT: "reindex"}}}
+    assert namespaces(outside) == ["ml", "monitoring"]  # listed explicitly: the whole namespace again
+
+
+def test_keda_reaches_the_activators_admin_port_when_the_service_scales_to_zero():
+    spec = with_policy()
+    spec["autoscaling"] = {"minReplicas": 0, "maxReplicas": 2}
+    out = R.render(defaulted(es(spec)), PLATFORM)
+    assert any(m["kind"] == "Deployment" and m["metadata"]["name"] == "svc-activator" for m in out)
+    rules = next(m for m in out if m["kind"] == "NetworkPolicy")["spec"]["ingress"]
+    assert rules[1] == {"from": [{"namespaceSelector": {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["keda"]}]}}],
+        "ports": [{"protocol": "TCP", "port": R.ACTIVATOR_ADMIN_PORT}]}
+    # the activator's pods carry the policy's selector: its proxied port is admitted by the first rule
+    activator = next(m for m in out if m["metadata"]["name"] == "svc-activator" and m["kind"] == "Deployment")
+    assert activator["spec"]["template"]["metadata"]["labels"][R.LABEL_SERVICE] == "svc"
+    assert R.ACTIVATOR_PORT == R.SERVER_PORT
+    spec["autoscaling"]["minReplicas"] = 1
+    assert len(policy(spec)["spec"]["ingress"]) == 1
+
+
+def test_the_policy_goes_in_before_any_service_publishes_the_pods():
+    kinds = [m["kind"] for m in R.render(defaulted(es(with_policy())), PLATFORM)]
+    assert kinds.index("NetworkPolicy") < kinds.index("Service")
+
+
+def test_platform_namespaces_from_the_environment(monkeypatch):
+    monkeypatch.setenv("EMBEDOPS_GATEWAY_NAMESPACES", "traefik, gateway")
+    monkeypatch.setenv("EMBEDOPS_PROMETHEUS_NAMESPACES", "monitoring")
+    monkeypatch.delenv("EMBEDOPS_KEDA_NAMESPACES", raising=False)
+    o = R.Options.from_env()
+    assert (o.gateway_namespaces, o.prometheus_namespaces, o.keda_namespaces) == (
+        ("gateway", "traefik"), ("monitoring",), ())
+
+
+def test_namespace_names_are_validated():
+    assert validate(es(with_policy(fromNamespaces=["Not_A_Namespace"])))
+    assert not validate(es(with_policy(fromNamespaces=["rag-jobs"])))
+
+
+def test_owned_watched_and_pruned_like_the_other_children():
+    assert R.NETWORKPOLICY in A.OWNED_KINDS and A.PLURALS[R.NETWORKPOLICY] == "networkpolicies"
+    assert C.CORE_KINDS[R.NETWORKPOLICY] == C.MANAGED
