@@ -86,8 +86,13 @@ def operator(kube, embsvc_crd, third_party_crds, tmp_path_factory):
     except ImportError as e:  # the project's own code: failing to import it is a defect, never a skip
         pytest.fail(f"the operator does not import: {e}")
     log = tmp_path_factory.mktemp("operator") / "operator.log"
+    from localcluster import gateway, monitoring
+
     env = {**os.environ, "KUBECONFIG": kube.kubeconfig,
-           "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "server"), str(REPO)])}
+           "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO / "server"), str(REPO)]),
+           # where the local cluster runs the platform's callers, as the chart's networkPolicy.* say them
+           "EMBEDOPS_GATEWAY_NAMESPACES": gateway.NAMESPACE, "EMBEDOPS_PROMETHEUS_NAMESPACES": monitoring.NAMESPACE,
+           "EMBEDOPS_KEDA_NAMESPACES": monitoring.KEDA_NAMESPACE}
     # Watches the e2e namespaces by name, as the chart installed with watched namespaces does
     # (EMBEDOPS_E2E_WATCH=all: cluster-wide).
     watch = [] if os.environ.get("EMBEDOPS_E2E_WATCH") == "all" else ["--namespace", ",".join(_WATCHED)]

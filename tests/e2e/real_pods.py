@@ -71,7 +71,26 @@ for path, body in json.loads(os.environ["REQUESTS"]):
 # hostname match) one request at a time (a new connection each, as a
 # client behind a Service would after a failure), until /tmp/stop exists or $MAX_SECONDS pass. Prints
 # "started" after the first success, then one JSON summary line with counts and the first failures.
-LOAD_CLIENT = r"""
+# A new pod's first connections can be refused for a moment where a NetworkPolicy admits it by its address: the
+# policy implementation (kube-router here, Calico likewise) learns the pod's IP from the status the kubelet posts
+# after the container started. Kubernetes' NetworkPolicy docs ask pods to be resilient to that or to wait until
+# their destinations are reachable; clients that count every failed request do the latter first (a TCP connect to
+# $URL's host and port, no request sent, at most 60 s).
+WAIT_REACHABLE = r"""
+import os as _os, socket as _socket, time as _time, urllib.parse as _parse
+_u = _parse.urlsplit(_os.environ["URL"])
+_deadline = _time.monotonic() + 60
+while True:
+    try:
+        _socket.create_connection((_u.hostname, _u.port or 80), timeout=3).close()
+        break
+    except OSError:
+        if _time.monotonic() > _deadline:
+            break
+        _time.sleep(0.2)
+"""
+
+LOAD_CLIENT = WAIT_REACHABLE + r"""
 import collections, json, os, threading, time, urllib.error, urllib.request
 url, body = os.environ["URL"], os.environ["BODY"].encode()
 headers = {"Content-Type": "application/json", **({"Host": os.environ["HOST"]} if os.environ.get("HOST") else {})}

@@ -94,6 +94,8 @@ def routed(kube, real, ns, svc, gw):  # noqa: F811
     m3["spec"]["gateway"] = {"parentRefs": [gateway.PARENT_REF], "hostnames": [EMBED_HOST], "pathPrefix": M3_PREFIX,
                              "allowUnauthenticated": True}
     docs = [embed, rerank, m3]
+    for d in docs:  # only their namespace (the tests' clients, LiteLLM) and the gateway's pods reach them
+        d["spec"]["networkPolicy"] = {}
     prerequisites(kube, ns, docs, host_path=real.models_hostpath)
     for d in docs:
         svc.create(d)

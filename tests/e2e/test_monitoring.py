@@ -17,7 +17,7 @@ from kubernetes.client.rest import ApiException
 from localcluster import monitoring
 from localcluster.workloads import prerequisites
 from tests.e2e.conftest import REPO, wait_for
-from tests.e2e.real_pods import LOAD_CLIENT, client_pod, exec_in, pod_log, wait_pod_phase
+from tests.e2e.real_pods import LOAD_CLIENT, WAIT_REACHABLE, client_pod, exec_in, pod_log, wait_pod_phase
 from tests.e2e.test_real_pods import _kubeconfig, example, ns, on_real_node, real, service_url, svc, wait_ready  # noqa: F401
 from tests.waiting import ReplicasWatch
 
@@ -50,6 +50,9 @@ def monitored(request, kube, real, ns, svc, stack, operator):  # noqa: F811
     doc["spec"]["monitoring"] = {"serviceMonitor": {"labels": dict(monitoring.SELECTOR), "interval": "5s"}}
     doc["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 2}
     doc["spec"].pop("replicas", None)
+    # the service's NetworkPolicy: Prometheus (every test here reads its scrapes) and KEDA (the scale-from-zero
+    # activator's demand) are admitted from their namespaces, as the chart names them; the test below refuses others
+    doc["spec"]["networkPolicy"] = {}
     prerequisites(kube, ns, [doc], host_path=real.models_hostpath)
     svc.create(doc)
     wait_ready(svc, NAME, real)
@@ -143,6 +146,101 @@ def test_prometheus_selects_the_service_monitor_by_its_labels_and_scrapes_the_po
     print(f"scrape pools: {sorted(pools)}")
     assert f"serviceMonitor/{ns}/{NAME}/0" in pools
     assert not any(f"{NAME}-unselected" in p for p in pools), pools
+
+
+# Calls $URL once a second until the answer is $EXPECT ("reached" or "refused") or $SECONDS pass, and prints
+# {"result", "attempts", "error"}: kube-router applies a policy change within seconds, not at once.
+PROBE = r"""
+import json, os, time, urllib.request
+deadline, attempts = time.monotonic() + float(os.environ["SECONDS"]), 0
+while True:
+    attempts += 1
+    try:
+        with urllib.request.urlopen(os.environ["URL"], timeout=3) as r:
+            result, error = ("reached" if r.status == 200 else f"status {r.status}"), None
+    except Exception as e:
+        result, error = "refused", repr(e)
+    if result == os.environ["EXPECT"] or time.monotonic() > deadline:
+        break
+    time.sleep(1)
+print(json.dumps({"result": result, "attempts": attempts, "error": error}))
+"""
+
+
+def _probe(svc, real, ns: str, name: str, url: str, expect: str, seconds: int = 30) -> dict:
+    pod = client_pod(name, real.server_image, PROBE, real.node_selector, {"URL": url, "EXPECT": expect,
+                                                                         "SECONDS": seconds})
+    svc.core.create_namespaced_pod(ns, pod)
+    try:
+        wait_pod_phase(svc.core, ns, name, ("Succeeded",), timeout=120)
+        lines = [x for x in svc.core.read_namespaced_pod_log(name, ns).splitlines() if x.startswith("{")]
+        return json.loads(lines[-1])
+    finally:
+        svc.core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
+
+
+def test_network_policy_admits_its_namespace_prometheus_and_listed_namespaces_only(kube, real, ns, svc, stack,
+                                                                                    monitored):
+    """spec.networkPolicy enforced by kube-router on the real node: a pod of an unlisted namespace is refused at
+    once, one of the service's own namespace gets through, another namespace once the manifest lists it;
+    Prometheus keeps scraping through it (its namespace comes from the operator's settings, as KEDA's does for
+    the scale-from-zero test below); switched off, the operator removes its policy and everyone gets through."""
+    from kubernetes import client
+
+    policy = wait_for(lambda: _network_policy(svc, ns), timeout=60, what="the operator's NetworkPolicy")
+    assert policy.metadata.owner_references[0].kind == "EmbeddingService"
+    listed, other = f"{ns}-listed", f"{ns}-other"
+    for name in (listed, other):
+        svc.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    url = service_url(NAME, ns) + "/health"
+    try:
+        for name in (listed, other):  # the namespaces' default ServiceAccount, which a pod needs
+            wait_for(lambda n=name: svc.core.list_namespaced_service_account(n).items, timeout=90,
+                     what=f"namespace {name}'s default ServiceAccount")
+        refused = _probe(svc, real, other, "probe-other", url, "refused")
+        same = _probe(svc, real, ns, "probe-same", url, "reached")
+        not_yet = _probe(svc, real, listed, "probe-listed-0", url, "refused")
+        print(f"before listing: other {refused}, same namespace {same}, to-be-listed {not_yet}")
+        assert refused["result"] == "refused" and refused["attempts"] == 1, refused
+        assert same["result"] == "reached", same
+        assert not_yet["result"] == "refused", not_yet
+
+        svc.co.patch_namespaced_custom_object("embedops.dev", "v1alpha1", ns, "embeddingservices", NAME, {
+            "spec": {"networkPolicy": {"fromNamespaces": [listed]}}})
+        wait_for(lambda: listed in str(_network_policy(svc, ns).spec.ingress), timeout=60,
+                 what="the listed namespace in the NetworkPolicy")
+        admitted = _probe(svc, real, listed, "probe-listed-1", url, "reached")
+        still_refused = _probe(svc, real, other, "probe-other-1", url, "refused")
+        print(f"listed: {admitted}; unlisted: {still_refused}")
+        assert admitted["result"] == "reached", admitted
+        assert still_refused["result"] == "refused", still_refused
+        # Prometheus, in its own namespace, scrapes through the policy (a scrape after the change)
+        since = time.time()
+        _series(stack, f'timestamp(up{{namespace="{ns}",service="{NAME}"}} == 1) > {since}', timeout=60)
+
+        svc.co.patch_namespaced_custom_object("embedops.dev", "v1alpha1", ns, "embeddingservices", NAME, {
+            "spec": {"networkPolicy": {"enabled": False}}})
+        wait_for(lambda: _network_policy(svc, ns) is None, timeout=60, what="the NetworkPolicy removed")
+        opened = _probe(svc, real, other, "probe-other-2", url, "reached")
+        print(f"policy switched off: unlisted {opened}")
+        assert opened["result"] == "reached", opened
+    finally:
+        svc.co.patch_namespaced_custom_object("embedops.dev", "v1alpha1", ns, "embeddingservices", NAME, {
+            "spec": {"networkPolicy": {"enabled": True, "fromNamespaces": []}}})
+        for name in (listed, other):
+            with contextlib.suppress(ApiException):
+                svc.core.delete_namespace(name)
+
+
+def _network_policy(svc, ns: str):
+    from kubernetes import client
+
+    try:
+        return client.NetworkingV1Api(svc.core.api_client).read_namespaced_network_policy(NAME, ns)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
 
 
 def test_the_scaled_objects_query_finds_the_servers_series(ns, svc, stack, monitored):
@@ -394,7 +492,7 @@ def _get_embsvc(svc, ns: str) -> list[dict[str, str]]:
 
 
 # $CONCURRENCY requests at once to $URL, each timed; prints one JSON list (status, seconds, vector length).
-WAKE_CLIENT = r"""
+WAKE_CLIENT = WAIT_REACHABLE + r"""
 import json, os, threading, time, urllib.request
 url, k = os.environ["URL"], int(os.environ["CONCURRENCY"])
 out = [None] * k

@@ -584,6 +584,8 @@ def _foreign_objects() -> list[dict]:
         {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": meta("own-hpa"),
          "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "web"},
                   "minReplicas": 1, "maxReplicas": 2}},
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta("own-hpa"),
+         "spec": {"podSelector": {"matchLabels": labels}, "policyTypes": ["Ingress"], "ingress": [{}]}},
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta("own-zero-activator"),
          "spec": {"replicas": 0, "selector": {"matchLabels": labels}, "template": template}},
         {"apiVersion": "v1", "kind": "Service", "metadata": meta("own-zero-backend"),
@@ -614,13 +616,13 @@ def test_objects_the_operator_did_not_create_are_never_taken_over_or_deleted(ctx
     own = {**base, "replicas": 2, "gateway": {"parentRefs": [{"name": "ai-gateway"}], "allowUnauthenticated": True},
            "autoscaling": {"minReplicas": 2, "maxReplicas": 3, "provider": "keda"},
            "litellm": {"configMapName": "their-litellm"}}
-    own_hpa = {**base, "autoscaling": {"minReplicas": 1, "maxReplicas": 2, "provider": "hpa"}}
+    own_hpa = {**base, "autoscaling": {"minReplicas": 1, "maxReplicas": 2, "provider": "hpa"}, "networkPolicy": {}}
     own_hpa.pop("litellm")
     own_zero = {**base, "autoscaling": {"minReplicas": 0, "maxReplicas": 1, "provider": "keda"}}
     own_zero.pop("litellm")
     expected = {"own": ["Service own", "PodDisruptionBudget own", "ServiceMonitor own", "HTTPRoute own",
                         "ScaledObject own", "ConfigMap their-litellm"],
-                "own-hpa": ["HorizontalPodAutoscaler own-hpa"],
+                "own-hpa": ["NetworkPolicy own-hpa", "HorizontalPodAutoscaler own-hpa"],
                 "own-zero": ["Deployment own-zero-activator", "Service own-zero-backend"]}
     try:
         for name, spec in (("own", own), ("own-hpa", own_hpa), ("own-zero", own_zero)):
