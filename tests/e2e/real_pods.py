@@ -24,7 +24,11 @@ def restricted_security() -> tuple[dict, dict]:
 
 
 def client_pod(name: str, image: str, script: str, node_selector: dict, env: dict | None = None,
-               restart: str = "Never") -> dict:
+               restart: str = "Never", wait_reachable: bool = True) -> dict:
+    """With ``wait_reachable`` (and a $URL or $BASE in ``env``) the script first waits until that address accepts
+    a connection: see WAIT_REACHABLE."""
+    if wait_reachable and ({"URL", "BASE"} & set(env or {})):
+        script = WAIT_REACHABLE + script
     pod_sc, c_sc = restricted_security()
     return {
         "apiVersion": "v1", "kind": "Pod",
@@ -73,12 +77,13 @@ for path, body in json.loads(os.environ["REQUESTS"]):
 # "started" after the first success, then one JSON summary line with counts and the first failures.
 # A new pod's first connections can be refused for a moment where a NetworkPolicy admits it by its address: the
 # policy implementation (kube-router here, Calico likewise) learns the pod's IP from the status the kubelet posts
-# after the container started. Kubernetes' NetworkPolicy docs ask pods to be resilient to that or to wait until
-# their destinations are reachable; clients that count every failed request do the latter first (a TCP connect to
-# $URL's host and port, no request sent, at most 60 s).
+# after the container started (seen here: a client's first request refused, its second one admitted). Kubernetes'
+# NetworkPolicy docs ask pods to be resilient to that or to wait until their destinations are reachable; the
+# clients here count every failed request, so they wait first (client_pod prepends this): a TCP connect to $URL's
+# or $BASE's host and port, no request sent (an activator does not count it as demand), at most 60 s.
 WAIT_REACHABLE = r"""
 import os as _os, socket as _socket, time as _time, urllib.parse as _parse
-_u = _parse.urlsplit(_os.environ["URL"])
+_u = _parse.urlsplit(_os.environ.get("URL") or _os.environ["BASE"])
 _deadline = _time.monotonic() + 60
 while True:
     try:
@@ -90,7 +95,7 @@ while True:
         _time.sleep(0.2)
 """
 
-LOAD_CLIENT = WAIT_REACHABLE + r"""
+LOAD_CLIENT = r"""
 import collections, json, os, threading, time, urllib.error, urllib.request
 url, body = os.environ["URL"], os.environ["BODY"].encode()
 headers = {"Content-Type": "application/json", **({"Host": os.environ["HOST"]} if os.environ.get("HOST") else {})}

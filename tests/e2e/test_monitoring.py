@@ -17,7 +17,7 @@ from kubernetes.client.rest import ApiException
 from localcluster import monitoring
 from localcluster.workloads import prerequisites
 from tests.e2e.conftest import REPO, wait_for
-from tests.e2e.real_pods import LOAD_CLIENT, WAIT_REACHABLE, client_pod, exec_in, pod_log, wait_pod_phase
+from tests.e2e.real_pods import LOAD_CLIENT, client_pod, exec_in, pod_log, wait_pod_phase
 from tests.e2e.test_real_pods import _kubeconfig, example, ns, on_real_node, real, service_url, svc, wait_ready  # noqa: F401
 from tests.waiting import ReplicasWatch
 
@@ -168,8 +168,8 @@ print(json.dumps({"result": result, "attempts": attempts, "error": error}))
 
 
 def _probe(svc, real, ns: str, name: str, url: str, expect: str, seconds: int = 30) -> dict:
-    pod = client_pod(name, real.server_image, PROBE, real.node_selector, {"URL": url, "EXPECT": expect,
-                                                                         "SECONDS": seconds})
+    pod = client_pod(name, real.server_image, PROBE, real.node_selector,
+                     {"URL": url, "EXPECT": expect, "SECONDS": seconds}, wait_reachable=False)
     svc.core.create_namespaced_pod(ns, pod)
     try:
         wait_pod_phase(svc.core, ns, name, ("Succeeded",), timeout=120)
@@ -492,7 +492,7 @@ def _get_embsvc(svc, ns: str) -> list[dict[str, str]]:
 
 
 # $CONCURRENCY requests at once to $URL, each timed; prints one JSON list (status, seconds, vector length).
-WAKE_CLIENT = WAIT_REACHABLE + r"""
+WAKE_CLIENT = r"""
 import json, os, threading, time, urllib.request
 url, k = os.environ["URL"], int(os.environ["CONCURRENCY"])
 out = [None] * k

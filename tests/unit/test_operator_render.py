@@ -473,6 +473,9 @@ def test_example_kinds():
     cpu = by_kind(R.render(example("cpu-ingestion.yaml")))
     c = cpu["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     assert arg(c, "--model-id") == "/models/all-MiniLM-L6-v2"
+    # every example ships with its NetworkPolicy (kube-score's pod-networkpolicy CRITICAL, issue 35)
+    for f in ("mig-embedder.yaml", "mig-reranker.yaml", "cpu-ingestion.yaml", "bge-m3-cpu-ingestion.yaml"):
+        assert "NetworkPolicy" in by_kind(R.render(example(f))), f
 
 
 def test_kustomization_and_flux_examples():
@@ -500,7 +503,7 @@ def test_cli_render_prints_what_would_be_applied():
     doc["metadata"]["namespace"] = "search"
     assert docs == R.render(doc)
     res = _cli("render", "-f", "-", "--without", "ServiceMonitor", stdin=(EXAMPLES / "cpu-ingestion.yaml").read_text())
-    assert [d["kind"] for d in yaml.safe_load_all(res.stdout) if d] == ["Deployment", "Service"]
+    assert [d["kind"] for d in yaml.safe_load_all(res.stdout) if d] == ["Deployment", "NetworkPolicy", "Service"]
 
 
 def test_cli_render_refuses_invalid_manifest():
