@@ -91,6 +91,7 @@ class Controller:
         # edits writes its Deployment a few times, not once per edit
         self.queue = WorkQueue(coalesce=COALESCE_SECONDS)
         self.reconciler.requeue = lambda key: self.queue.add(key, True)  # services waiting for an upgrade slot
+        self.reconciler.requeue_status = lambda key: self.queue.add(key, False)  # a stall deadline passed
         self.workers = workers
         self.tombstones: dict[tuple[str, str], dict] = {}  # deleted EmbeddingServices not yet forgotten
         # the API server's availability, from every request (apply.ApiHealth); when it answers again after
@@ -338,6 +339,7 @@ class Controller:
         self._stop.set()
         metrics.unwatch(self)
         self.queue.close()
+        self.reconciler.rechecks.close()
         with self._lock:
             infs = [i for group in self.cache.informers.values() for i in group]
         for inf in infs:

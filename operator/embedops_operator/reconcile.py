@@ -17,6 +17,7 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
 from . import apply, litellm, memory, render, spaces, status, upgrades
+from .delayed import DelayedCalls
 from .spec import API_VERSION, KIND, parse as parse_resource
 
 log = logging.getLogger("embedops.reconcile")
@@ -67,7 +68,8 @@ class Reconciler:
         self.settings = settings or Settings()
         self._locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
         self._guard = threading.Lock()
-        self._timers: dict[tuple[str, str], tuple[float, threading.Timer]] = {}
+        # status rechecks due later (a pending pod's stall deadline): one heap and thread for all services
+        self.rechecks = DelayedCalls("status-rechecks")
         # services whose last apply stopped at an API error or left a child in conflict: retried with a back-off
         self.unfinished: set[tuple[str, str]] = set()
         # pod upgrades the operator started (Options.pod_upgrades "Roll"), until the service is Ready again, and
@@ -75,6 +77,9 @@ class Reconciler:
         self.upgrading: dict[tuple[str, str], float] = {}
         self.awaiting_upgrade: set[tuple[str, str]] = set()
         self.requeue: Callable[[tuple[str, str]], None] | None = None  # the controller's queue, when there is one
+        # a status-only reconcile through the controller's queue (never two threads on one service); without
+        # one (a reconciler used alone) the recheck reconciles on the rechecks' thread
+        self.requeue_status: Callable[[tuple[str, str]], None] | None = None
 
     def _lock(self, key: tuple[str, str]) -> threading.Lock:
         with self._guard:
@@ -390,29 +395,18 @@ class Reconciler:
             return []
 
     def _recheck(self, key: tuple[str, str], delay: float) -> None:
-        """Reconcile `key` (status only) after `delay` s; one pending timer per object, the earliest wins."""
-        due = time.monotonic() + delay
-        with self._guard:
-            pending = self._timers.get(key)
-            if pending and pending[1].is_alive() and pending[0] <= due:
-                return
-            if pending:
-                pending[1].cancel()
+        """Reconcile `key` (status only) after `delay` s; one pending recheck per object, the earliest wins."""
+        self.rechecks.call_later(key, delay, lambda: self._recheck_now(key), keep_earlier=True)
 
-            def fire() -> None:
-                with self._guard:
-                    if self._timers.get(key, (None, None))[1] is timer:
-                        del self._timers[key]
-                try:
-                    self.reconcile(*key, apply_children=False)
-                except Exception as exc:  # noqa: BLE001 - the resync loop retries
-                    if apply.unavailable_reason(exc) is None:
-                        log.exception("status recheck of %s/%s failed", *key)
-
-            timer = threading.Timer(delay, fire)
-            timer.daemon = True
-            self._timers[key] = (due, timer)
-            timer.start()
+    def _recheck_now(self, key: tuple[str, str]) -> None:
+        if self.requeue_status is not None:
+            self.requeue_status(key)
+            return
+        try:
+            self.reconcile(*key, apply_children=False)
+        except Exception as exc:  # noqa: BLE001 - the resync loop retries
+            if apply.unavailable_reason(exc) is None:
+                log.exception("status recheck of %s/%s failed", *key)
 
     def write_status(self, resource: dict, observed: status.Observed, options: render.Options) -> dict | None:
         new = status.normalized(status.compute(resource, observed, options, stall_after=self.settings.stall_after))
@@ -468,12 +462,10 @@ class Reconciler:
                 litellm.remove_entry(self.kube, namespace, config_map, name)
         with self._guard:
             self._locks.pop(key, None)
-            pending = self._timers.pop(key, None)
             self.awaiting_upgrade.discard(key)
             freed = self.upgrading.pop(key, None) is not None
             waiting = sorted(self.awaiting_upgrade) if freed else []
         for other in waiting:
             if self.requeue is not None:
                 self.requeue(other)
-        if pending:
-            pending[1].cancel()
+        self.rechecks.cancel(key)

@@ -5,7 +5,8 @@ an event for a key being worked on marks it to run again after. Failed keys come
 (0.5 s doubling to `max_backoff`), or at once with `retry_failed_now()` (the API server is back).
 With `coalesce` > 0 that run again waits `coalesce` seconds, merging every event meanwhile: a service whose
 spec changes many times a second is reconciled (its Deployment written) about once per window, not once per
-change, and the last change wins (fault test: 100 spec changes in 10 s).
+change, and the last change wins (fault test: 100 spec changes in 10 s). Both waits are entries of one
+heap served by one thread (delayed.py), however many keys wait.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import threading
 import time
 from collections import deque
 from typing import Callable
+
+from .delayed import DelayedCalls
 
 Key = tuple[str, str]
 
@@ -25,7 +28,8 @@ class WorkQueue:
         self._active: set[Key] = set()
         self._again: dict[Key, bool] = {}  # keys whose events came while they were worked on
         self._failures: dict[Key, int] = {}
-        self._timers: dict[Key, threading.Timer] = {}
+        # ("retry", key): a failed key's back-off; ("release", key): the end of a key's coalescing window
+        self._delays = DelayedCalls("workqueue-delays")
         self._closed = False
         self.max_backoff = max_backoff
         self.coalesce = coalesce
@@ -78,9 +82,7 @@ class WorkQueue:
             if hold:
                 self._held[key] = again
         if hold:
-            timer = threading.Timer(self.coalesce, self._release, (key,))
-            timer.daemon = True
-            timer.start()
+            self._delays.call_later(("release", key), self.coalesce, lambda: self._release(key))
         elif again is not None:
             self.add(key, again)
         elif not ok:
@@ -96,19 +98,11 @@ class WorkQueue:
         with self._cond:
             n = self._failures[key] = self._failures.get(key, 0) + 1
             delay = min(0.5 * 2 ** (n - 1), self.max_backoff)
-            old = self._timers.pop(key, None)
-            if old:
-                old.cancel()
-            def fire() -> None:
-                with self._cond:
-                    if self._timers.get(key) is not timer:
-                        return  # cancelled (retry_failed_now, forget) after it had started
-                    del self._timers[key]
-                self.add(key, True)
-            timer = threading.Timer(delay, fire)
-            timer.daemon = True
-            self._timers[key] = timer
-            timer.start()
+        self._delays.call_later(("retry", key), delay, lambda: self.add(key, True))
+
+    def backoff(self, key: Key) -> float | None:
+        """Seconds until a failed key is tried again, or None when it is not waiting out a back-off."""
+        return self._delays.due_in(("retry", key))
 
     def retry_failed_now(self) -> int:
         """Every key waiting out a failure back-off is queued now and its back-off reset (the API server is
@@ -116,24 +110,20 @@ class WorkQueue:
         with self._cond:
             if self._closed:
                 return 0
-            timers, self._timers = self._timers, {}
             self._failures.clear()
-        for key, timer in timers.items():
-            timer.cancel()
+        keys = [k for kind, k in self._delays.keys() if kind == "retry" and self._delays.cancel((kind, k))]
+        for key in keys:
             self.add(key, True)
-        return len(timers)
+        return len(keys)
 
     def failing(self) -> int:
         """Keys waiting out a failure back-off."""
-        with self._cond:
-            return len(self._timers)
+        return sum(1 for kind, _ in self._delays.keys() if kind == "retry")
 
     def forget(self, key: Key) -> None:
         with self._cond:
             self._failures.pop(key, None)
-            timer = self._timers.pop(key, None)
-        if timer:
-            timer.cancel()
+        self._delays.cancel(("retry", key))
 
     def __len__(self) -> int:
         with self._cond:
@@ -142,7 +132,5 @@ class WorkQueue:
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            timers, self._timers = list(self._timers.values()), {}
             self._cond.notify_all()
-        for t in timers:
-            t.cancel()
+        self._delays.close()
