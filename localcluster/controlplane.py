@@ -11,8 +11,9 @@ three simulated nodes:
 * ``cpu-plain-0``: no special labels.
 
 With ``real_node=True`` (CLI ``up --real-node``) it also runs ``cpu-real-0``, a real node (kubelet,
-kube-proxy, containerd, CNI bridge, CoreDNS; ``localcluster/node.py``): the API server then binds and
-advertises 10.245.0.1 (the node's bridge) so pods reach it through the ``kubernetes`` Service.
+kube-proxy, kube-router for NetworkPolicy, containerd, CNI bridge, CoreDNS; ``localcluster/node.py``): the API
+server then binds and advertises 10.245.0.1 (the node's bridge) so pods reach it through the ``kubernetes``
+Service.
 
 Everything it starts is recorded (PIDs) in ``<run-dir>/state.json`` and stopped by PID.
 Binaries come from ``localcluster/build.py`` (``make cluster-binaries``).
@@ -174,13 +175,13 @@ class Cluster:
         return self.run_dir / "state.json"
 
     # --- state ---------------------------------------------------------------------------------
-    def _state(self) -> dict:
+    def read_state(self) -> dict:
         try:
             return json.loads(self.state_file.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return {}
 
-    def _save(self, state: dict) -> None:
+    def save_state(self, state: dict) -> None:
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=1))
         tmp.replace(self.state_file)
@@ -197,7 +198,7 @@ class Cluster:
         return cmdline == proc["argv0"]
 
     def running(self) -> bool:
-        st = self._state()
+        st = self.read_state()
         if not (bool(st.get("procs")) and all(self._alive(p) for p in st["procs"]) and self._readyz(st)):
             return False
         if self.real_node is not None and bool(st.get("real_node")) != bool(self.real_node):
@@ -207,7 +208,7 @@ class Cluster:
 
             rec = realnode.RealNode._load()
             return bool(rec) and rec.get("owner") == str(self._node().run_dir) and all(
-                realnode._alive(p) for p in rec.get("procs", []))
+                realnode.process_alive(p) for p in rec.get("procs", []))
         return True
 
     def _node(self):
@@ -230,15 +231,15 @@ class Cluster:
             return False
 
     # --- lifecycle -----------------------------------------------------------------------------
-    def _spawn(self, state: dict, name: str, argv: list[str]) -> None:
+    def spawn(self, state: dict, name: str, argv: list[str]) -> None:
         log = open(self.run_dir / "logs" / f"{name}.log", "ab")
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True, cwd=self.run_dir)
         log.close()
         state["procs"].append({"name": name, "pid": p.pid, "argv0": argv[0], "argv": argv})
-        self._save(state)
+        self.save_state(state)
 
-    def _exit_status(self, proc: dict) -> str | None:
+    def exit_status(self, proc: dict) -> str | None:
         """None while ``proc`` runs, else how it ended ('exited 2', 'was killed by SIGKILL'). The harness is
         the parent of what it started, so the kernel's own answer (waitpid) decides; /proc is read only for a
         process another harness started. (/proc/PID/cmdline alone once called a live etcd dead in CI, and the
@@ -267,7 +268,7 @@ class Cluster:
         while time.monotonic() < deadline:
             if ok():
                 return
-            dead = [(p, how) for p in state["procs"] if (how := self._exit_status(p)) is not None]
+            dead = [(p, how) for p in state["procs"] if (how := self.exit_status(p)) is not None]
             if dead:
                 raise RuntimeError(f"{'; '.join(self._death(p, how) for p, how in dead)} while waiting for "
                                    f"{what}; see {self.run_dir / 'logs'}")
@@ -303,11 +304,11 @@ class Cluster:
         # depends on the bridge address, so none of it can be routed off the machine once the bridge is gone.
         server = f"https://127.0.0.1:{api_port}"
         state: dict = {"server": server, "procs": [], "started": time.time(), "real_node": bool(node)}
-        self._save(state)
+        self.save_state(state)
         write_kubeconfig(self.kubeconfig, server, pki)
         kc = str(self.kubeconfig)
         try:
-            self._spawn(state, "etcd", [
+            self.spawn(state, "etcd", [
                 str(bins.etcd), "--name=embedops", f"--data-dir={rd / 'etcd-data'}",
                 f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
                 f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
@@ -319,7 +320,7 @@ class Cluster:
             # the API server gives up on a store that does not answer within seconds ("error creating storage
             # factory: context deadline exceeded"); on a loaded machine etcd's start can take longer than that
             self._wait("etcd /health", lambda: self._etcd_healthy(f"http://127.0.0.1:{etcd_port}"), timeout, state)
-            self._spawn(state, "kube-apiserver", [
+            self.spawn(state, "kube-apiserver", [
                 str(bins.apiserver),
                 f"--etcd-servers=http://127.0.0.1:{etcd_port}",
                 # with the real node it listens on all addresses (pods come in on 10.245.0.1, the advertised address;
@@ -355,7 +356,7 @@ class Cluster:
             ])
             self._wait("kube-apiserver /readyz", lambda: self._readyz(state), timeout, state)
             t_api = time.monotonic() - t0
-            self._spawn(state, "kube-controller-manager", [
+            self.spawn(state, "kube-controller-manager", [
                 str(bins.controller_manager), f"--kubeconfig={kc}",
                 f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
                 "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={kcm_port}",
@@ -369,7 +370,7 @@ class Cluster:
                 "--node-monitor-grace-period=300s",
                 f"--cert-dir={rd / 'kcm-certs'}", "--v=1",
             ])
-            self._spawn(state, "kube-scheduler", [
+            self.spawn(state, "kube-scheduler", [
                 str(bins.scheduler), f"--kubeconfig={kc}",
                 f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
                 "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={sched_port}",
@@ -378,7 +379,7 @@ class Cluster:
             stages = sorted(bins.kwok_stages.glob("*.yaml"))
             kwok_cfg = rd / "kwok.yaml"
             kwok_cfg.write_text("\n---\n".join(p.read_text() for p in stages))
-            self._spawn(state, "kwok", [
+            self.spawn(state, "kwok", [
                 str(bins.kwok), f"--kubeconfig={kc}", f"--config={kwok_cfg}",
                 "--manage-all-nodes=false",
                 "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
@@ -403,7 +404,7 @@ class Cluster:
         state["ready_seconds"] = round(time.monotonic() - t0, 1)
         state["control_plane_seconds"] = round(t_cp, 1)
         state["apiserver_seconds"] = round(t_api, 1)
-        self._save(state)
+        self.save_state(state)
         return self.kubeconfig
 
     def _bootstrap(self, state: dict, timeout: float) -> None:
@@ -443,7 +444,7 @@ class Cluster:
     def down(self, quiet: bool = False) -> None:
         """Stop every process this harness started (by PID, newest first); no orphans. The real node (when
         this run dir owns it) goes first, with everything it recorded."""
-        st = self._state()
+        st = self.read_state()
         from localcluster import node as realnode
 
         rec = realnode.RealNode._load()
@@ -452,8 +453,8 @@ class Cluster:
             self._node().stop()  # its processes and pods; the network after the control plane
         procs = st.get("procs", [])
         # etcd last: the API server's lease endpoint reconciler removes its lease on the way out
-        self._stop([p for p in reversed(procs) if p["name"] != "etcd"])
-        self._stop([p for p in procs if p["name"] == "etcd"])
+        self.stop_processes([p for p in reversed(procs) if p["name"] != "etcd"])
+        self.stop_processes([p for p in procs if p["name"] == "etcd"])
         if owns_node:
             left = self._node().down()
             if left:
@@ -468,7 +469,7 @@ class Cluster:
 
     # --- single components (fault tests) --------------------------------------------------------
     def _proc(self, name: str) -> tuple[dict, dict]:
-        st = self._state()
+        st = self.read_state()
         for p in st.get("procs", []):
             if p["name"] == name:
                 return st, p
@@ -485,7 +486,7 @@ class Cluster:
                 os.kill(p["pid"], signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self._stop([p])
+        self.stop_processes([p])
 
     def start_component(self, name: str, timeout: float = 120) -> float:
         """Start a component stopped by ``stop_component`` again with the same argv (same ports, same etcd
@@ -501,7 +502,7 @@ class Cluster:
                                     start_new_session=True, cwd=self.run_dir)
             log.close()
             p["pid"] = proc.pid
-            self._save(st)
+            self.save_state(st)
         if name == "etcd":
             url = next(a.split("=", 1)[1] for a in p["argv"] if a.startswith("--listen-client-urls="))
             self._wait("etcd /health", lambda: self._etcd_healthy(url), timeout, st)
@@ -518,7 +519,7 @@ class Cluster:
             # a starting etcd serves HTTP and gRPC on one port: an early request can get a malformed answer
             return False
 
-    def _stop(self, procs: list[dict]) -> None:
+    def stop_processes(self, procs: list[dict]) -> None:
         """TERM, then KILL after 15 s; by PID, checked against argv0 first."""
         for p in procs:
             if self._alive(p):
@@ -599,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         except RealNodeError as e:
             print(f"harness: real node: {e}", file=sys.stderr)
             return 1
-        st = c._state()
+        st = c.read_state()
         print(f"control plane up in {time.monotonic() - t:.1f}s "
               f"(kube-apiserver ready after {st.get('apiserver_seconds', '?')}s): {st['server']}")
         if st.get("real_node"):

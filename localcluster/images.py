@@ -93,18 +93,18 @@ def cache_root() -> Path:
     return Path(os.environ.get("EMBEDOPS_CACHE") or Path.home() / ".cache" / "embedops") / "images"
 
 
-def _log(msg: str) -> None:
+def say(msg: str) -> None:
     print(f"[images {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+def run_command(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     kw.setdefault("check", True)
     kw.setdefault("text", True)
     return subprocess.run(cmd, **kw)
 
 
 @contextlib.contextmanager
-def _locked(what: str):
+def build_lock(what: str):
     """One builder at a time per thing (the base, a wheelhouse, an image tag), across processes: a long CUDA
     build does not hold up the CPU images."""
     locks = cache_root() / "locks"
@@ -128,19 +128,19 @@ def podman_usable() -> str | None:
     return None
 
 
-def _image_id(ref: str) -> str | None:
+def local_image_id(ref: str) -> str | None:
     r = subprocess.run(["podman", "image", "inspect", "--format", "{{.Id}}", ref], capture_output=True, text=True)
     return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else None
 
 
-def _image_size(ref: str) -> int:
-    return int(_run(["podman", "image", "inspect", "--format", "{{.Size}}", ref], capture_output=True).stdout)
+def local_image_size(ref: str) -> int:
+    return int(run_command(["podman", "image", "inspect", "--format", "{{.Size}}", ref], capture_output=True).stdout)
 
 
 # ---------------------------------------------------------------------------------------------- base image
 
 
-def _debian_mirror() -> str:
+def debian_mirror() -> str:
     """The first Debian URI of the host's deb822 sources (the same mirror apt uses here)."""
     src = Path("/etc/apt/sources.list.d/debian.sources")
     try:
@@ -156,8 +156,8 @@ def _debian_mirror() -> str:
 
 def base_image() -> str:
     """``localhost/embedops-base:bookworm-py3.11``, made with debootstrap when podman does not have it."""
-    with _locked("base"):
-        if not _image_id(BASE_REF):
+    with build_lock("base"):
+        if not local_image_id(BASE_REF):
             _make_base()
     return BASE_REF
 
@@ -169,23 +169,23 @@ def _make_base() -> None:
     work = Path(tempfile.mkdtemp(prefix="base-", dir=cache_root()))
     try:
         rootfs = work / "rootfs"
-        mirror = _debian_mirror()
-        _log(f"debootstrap --variant=minbase bookworm from {mirror} (a few minutes)")
-        _run(["debootstrap", "--variant=minbase", "--include=" + ",".join(BASE_PACKAGES), "bookworm",
+        mirror = debian_mirror()
+        say(f"debootstrap --variant=minbase bookworm from {mirror} (a few minutes)")
+        run_command(["debootstrap", "--variant=minbase", "--include=" + ",".join(BASE_PACKAGES), "bookworm",
               str(rootfs), mirror], stdout=subprocess.DEVNULL)
-        _trim_rootfs(rootfs)
+        trim_rootfs(rootfs)
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "--numeric-owner", "-cf", "-", "."],
                                stdout=subprocess.PIPE)
-        _run(["podman", "import", "--change", 'CMD ["/bin/bash"]', "--change", "ENV LANG=C.UTF-8",
+        run_command(["podman", "import", "--change", 'CMD ["/bin/bash"]', "--change", "ENV LANG=C.UTF-8",
               "--quiet", "-", BASE_REF], stdin=tar.stdout, capture_output=True)
         if tar.wait() != 0:
             raise RuntimeError("tar of the debootstrap root failed")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    _log(f"{BASE_REF} imported in {time.time() - t0:.0f}s ({_image_size(BASE_REF) / 1e6:.0f} MB)")
+    say(f"{BASE_REF} imported in {time.time() - t0:.0f}s ({local_image_size(BASE_REF) / 1e6:.0f} MB)")
 
 
-def _trim_rootfs(rootfs: Path) -> None:
+def trim_rootfs(rootfs: Path) -> None:
     """What an image does not need: downloaded .debs, apt lists, docs, man pages, locales but C."""
     for d in ("var/cache/apt/archives", "var/lib/apt/lists", "usr/share/doc", "usr/share/man",
               "usr/share/info", "var/log"):
@@ -215,7 +215,7 @@ def _requirements(extras: Iterable[str]) -> tuple[list[str], list[str]]:
 
 
 def _pip(*args: str) -> None:
-    _run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args], stdout=subprocess.DEVNULL)
+    run_command([sys.executable, "-m", "pip", "--disable-pip-version-check", *args], stdout=subprocess.DEVNULL)
 
 
 def wheelhouse(cuda: bool = False) -> Path:
@@ -232,7 +232,7 @@ def wheelhouse(cuda: bool = False) -> Path:
         key.update(torch_req.encode())
     name = ("wheels-cuda-" if cuda else "wheels-") + key.hexdigest()[:12]
     out = cache_root() / name
-    with _locked(name):
+    with build_lock(name):
         if not (out / ".complete").exists():
             _make_wheelhouse(out, reqs, build_reqs, torch_req)
     return out
@@ -243,7 +243,7 @@ def _make_wheelhouse(out: Path, reqs: list[str], build_reqs: list[str], torch_re
     t0 = time.time()
     tmp = Path(tempfile.mkdtemp(prefix=name + ".tmp-", dir=root))
     try:
-        _log(f"wheelhouse {out.name}: pip wheel for {len(reqs)} requirements")
+        say(f"wheelhouse {out.name}: pip wheel for {len(reqs)} requirements")
         _pip("wheel", "--wheel-dir", str(tmp), *reqs, *([torch_req] if torch_req else []))
         # the build backend, for pip's isolated build of the project inside the image
         _pip("download", "--only-binary=:all:", "--dest", str(tmp), *build_reqs)
@@ -253,7 +253,7 @@ def _make_wheelhouse(out: Path, reqs: list[str], build_reqs: list[str], torch_re
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     n = len(list(out.glob("*.whl")))
-    _log(f"wheelhouse {out.name}: {n} wheels, {_du(out) / 1e6:.0f} MB in {time.time() - t0:.0f}s")
+    say(f"wheelhouse {out.name}: {n} wheels, {_du(out) / 1e6:.0f} MB in {time.time() - t0:.0f}s")
 
 
 def _torch_spec() -> str:
@@ -310,7 +310,7 @@ def _make_context(ctx: Path, wheels: Path) -> None:
 
 def _build_one(name: str, wheels: Path, base: str) -> Image:
     dockerfile, repo, suffix, extra_args = IMAGES[name]
-    base_id = _image_id(base) or base
+    base_id = local_image_id(base) or base
     args = {"BASE_IMAGE": base, "WHEELS": "wheels", **extra_args}
     if name == "server-cuda":
         args["TORCH_SPEC"] = _torch_spec()  # the one in the CUDA wheelhouse
@@ -319,16 +319,16 @@ def _build_one(name: str, wheels: Path, base: str) -> Image:
     archives = cache_root() / "archives"
     archives.mkdir(parents=True, exist_ok=True)
     archive = archives / f"{name}-{tag}.tar"
-    with _locked(ref):
-        img = _build_locked(name, ref, dockerfile, args, archive, wheels)
-    _prune(name, keep=archive)
+    with build_lock(ref):
+        img = build_locked(name, ref, dockerfile, args, archive, wheels)
+    prune_builds(name, keep=archive)
     return img
 
 
-def _build_locked(name: str, ref: str, dockerfile: str, args: dict[str, str], archive: Path,
+def build_locked(name: str, ref: str, dockerfile: str, args: dict[str, str], archive: Path,
                   wheels: Path | None, make_context=None) -> Image:
     built = False
-    if not _image_id(ref):
+    if not local_image_id(ref):
         t0 = time.time()
         ctx = Path(tempfile.mkdtemp(prefix=f"ctx-{name}-", dir=cache_root()))
         try:
@@ -343,7 +343,7 @@ def _build_locked(name: str, ref: str, dockerfile: str, args: dict[str, str], ar
             for k, v in args.items():
                 cmd += ["--build-arg", f"{k}={v}"]
             log = archive.with_suffix(".build.log")
-            _log(f"building {ref} (log {log})")
+            say(f"building {ref} (log {log})")
             with open(log, "w") as f:
                 r = subprocess.run([*cmd, str(ctx)], stdout=f, stderr=subprocess.STDOUT, text=True)
             if r.returncode != 0:
@@ -352,18 +352,18 @@ def _build_locked(name: str, ref: str, dockerfile: str, args: dict[str, str], ar
         finally:
             shutil.rmtree(ctx, ignore_errors=True)
         built = True
-        _log(f"built {ref} in {time.time() - t0:.0f}s")
-    image_id = _image_id(ref) or ""
+        say(f"built {ref} in {time.time() - t0:.0f}s")
+    image_id = local_image_id(ref) or ""
     stamp = archive.with_suffix(".id")
     if not archive.exists() or not stamp.exists() or stamp.read_text() != image_id:
         t0 = time.time()
         tmp = archive.with_suffix(".tar.tmp")
         tmp.unlink(missing_ok=True)
-        _run(["podman", "save", "--quiet", "--format", "docker-archive", "-o", str(tmp), ref], capture_output=True)
+        run_command(["podman", "save", "--quiet", "--format", "docker-archive", "-o", str(tmp), ref], capture_output=True)
         os.replace(tmp, archive)
         stamp.write_text(image_id)
-        _log(f"saved {archive} in {time.time() - t0:.0f}s")
-    return Image(name, ref, archive, _image_size(ref), archive.stat().st_size, image_id, built)
+        say(f"saved {archive} in {time.time() - t0:.0f}s")
+    return Image(name, ref, archive, local_image_size(ref), archive.stat().st_size, image_id, built)
 
 
 BINARY_CONTAINERFILE = """ARG BASE_IMAGE
@@ -383,7 +383,7 @@ def build_binary_image(name: str, binaries: Iterable[Path]) -> Image:
     if why:
         raise RuntimeError(why)
     base = base_image()
-    h = hashlib.sha256(f"{name}\0{_image_id(base) or base}\0{BINARY_CONTAINERFILE}".encode())
+    h = hashlib.sha256(f"{name}\0{local_image_id(base) or base}\0{BINARY_CONTAINERFILE}".encode())
     for b in binaries:
         with open(b, "rb") as f:
             h.update(f"{b.name}\0".encode() + hashlib.file_digest(f, "sha256").digest())
@@ -402,16 +402,16 @@ def build_binary_image(name: str, binaries: Iterable[Path]) -> Image:
                 shutil.copy2(b, ctx / "bin" / b.name)
         (ctx / "Containerfile").write_text(BINARY_CONTAINERFILE % binaries[0].name)
 
-    with _locked(ref):
-        img = _build_locked(name, ref, "Containerfile", {"BASE_IMAGE": base}, archive, None, make_context=context)
-    _prune(name, keep=archive, repo=f"localhost/embedops-{name}", suffix="")
+    with build_lock(ref):
+        img = build_locked(name, ref, "Containerfile", {"BASE_IMAGE": base}, archive, None, make_context=context)
+    prune_builds(name, keep=archive, repo=f"localhost/embedops-{name}", suffix="")
     return img
 
 
 KEEP = 3  # tags kept per image name (archives and podman images); older ones are removed
 
 
-def _prune(name: str, keep: Path, repo: str | None = None, suffix: str | None = None) -> None:
+def prune_builds(name: str, keep: Path, repo: str | None = None, suffix: str | None = None) -> None:
     if repo is None or suffix is None:
         repo, suffix = IMAGES[name][1], IMAGES[name][2]
     mine = re.compile(rf"{re.escape(name)}-([0-9a-f]{{12}}{re.escape(suffix)})\.tar")
@@ -449,7 +449,7 @@ def build(names: Iterable[str] = ("server", "operator"), cuda: bool = False) -> 
 
 
 def _containerd_images(ctr: list[str]) -> dict[str, str]:
-    r = _run([*ctr, "images", "ls"], capture_output=True)
+    r = run_command([*ctr, "images", "ls"], capture_output=True)
     found = {}
     for line in r.stdout.splitlines()[1:]:
         cols = line.split()
@@ -471,7 +471,7 @@ def import_into_containerd(address: str, images, namespace: str = "k8s.io") -> l
         want = digest_file.read_text().strip() if digest_file.exists() else None
         if want and present.get(img.ref) == want:
             continue
-        _run([*ctr, "images", "import", str(img.archive)], capture_output=True)
+        run_command([*ctr, "images", "import", str(img.archive)], capture_output=True)
         got = _containerd_images(ctr).get(img.ref)
         if got is None:
             raise RuntimeError(f"ctr imported {img.archive} but containerd at {address} has no {img.ref}")

@@ -134,7 +134,7 @@ def image():
         raise RuntimeError(why)
     wheels = wheelhouse()
     base = images.base_image()
-    h = hashlib.sha256(f"{images._image_id(base) or base}\0{IMAGE_CONTAINERFILE}".encode())
+    h = hashlib.sha256(f"{images.local_image_id(base) or base}\0{IMAGE_CONTAINERFILE}".encode())
     for w in sorted(wheels.glob("*.whl")):
         h.update(f"{w.name}\0".encode())
     tag = h.hexdigest()[:12]
@@ -152,10 +152,10 @@ def image():
         shutil.copy2(wheels / "requirements.txt", ctx / "requirements.txt")
         (ctx / "Containerfile").write_text(IMAGE_CONTAINERFILE)
 
-    with images._locked(ref):
-        img = images._build_locked("litellm", ref, "Containerfile", {"BASE_IMAGE": base},
+    with images.build_lock(ref):
+        img = images.build_locked("litellm", ref, "Containerfile", {"BASE_IMAGE": base},
                                    archives / f"litellm-{tag}.tar", None, make_context=context)
-    images._prune("litellm", keep=archives / f"litellm-{tag}.tar", repo="localhost/embedops-litellm", suffix="")
+    images.prune_builds("litellm", keep=archives / f"litellm-{tag}.tar", repo="localhost/embedops-litellm", suffix="")
     return img
 
 

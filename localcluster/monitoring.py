@@ -119,17 +119,17 @@ def _build() -> dict:
 
 def _start_operator(cluster, reloader_image: str) -> Path:
     """Prometheus Operator as a process of the cluster (its state file records it; ``down`` stops it)."""
-    st = cluster._state()
+    st = cluster.read_state()
     log = cluster.run_dir / "logs" / f"{OPERATOR_PROCESS}.log"
     running = [p for p in st.get("procs", []) if p["name"] == OPERATOR_PROCESS]
-    if running and cluster._exit_status(running[0]) is None and f"--prometheus-config-reloader={reloader_image}" \
+    if running and cluster.exit_status(running[0]) is None and f"--prometheus-config-reloader={reloader_image}" \
             in running[0].get("argv", []):
         return log
     if running:  # dead, or started for another reloader image
-        cluster._stop(running)
-        st = cluster._state()
+        cluster.stop_processes(running)
+        st = cluster.read_state()
         st["procs"] = [p for p in st["procs"] if p["name"] != OPERATOR_PROCESS]
-        cluster._save(st)
+        cluster.save_state(st)
     from .pki import free_port
 
     pki = cluster.run_dir / "pki"
@@ -137,7 +137,7 @@ def _start_operator(cluster, reloader_image: str) -> Path:
             f"--cert-file={pki / 'admin.crt'}", f"--key-file={pki / 'admin.key'}", f"--ca-file={pki / 'ca.crt'}",
             f"--prometheus-config-reloader={reloader_image}",
             f"--web.listen-address=127.0.0.1:{free_port()}", "--log-level=info"]
-    cluster._spawn(st, OPERATOR_PROCESS, argv)
+    cluster.spawn(st, OPERATOR_PROCESS, argv)
     return log
 
 
@@ -171,8 +171,8 @@ def up(kube, cluster, timeout: float = 300) -> Stack:
             except client.ApiException as e:
                 if e.status != 404:
                     raise
-            exited = [x for x in cluster._state().get("procs", []) if x["name"] == OPERATOR_PROCESS
-                      and cluster._exit_status(x) is not None]
+            exited = [x for x in cluster.read_state().get("procs", []) if x["name"] == OPERATOR_PROCESS
+                      and cluster.exit_status(x) is not None]
             if exited or time.monotonic() > deadline:
                 tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
                 raise TimeoutError(f"Prometheus {NAMESPACE}/{pod} not ready after {time.monotonic() - t:.0f}s "

@@ -163,7 +163,7 @@ def _proc_argv0(pid: int) -> str | None:
         return None
 
 
-def _alive(p: dict) -> bool:
+def process_alive(p: dict) -> bool:
     return _proc_start(p["pid"]) == p.get("start") and _proc_argv0(p["pid"]) == p["argv0"]
 
 
@@ -442,7 +442,7 @@ class RealNode:
         pid, start = rec.get("creator_pid"), rec.get("creator_start")
         if pid and start and _proc_start(pid) == start:
             return True
-        if not any(_alive(p) for p in rec.get("procs", [])):
+        if not any(process_alive(p) for p in rec.get("procs", [])):
             return False
         owner = Path(rec.get("owner", ""))
         try:
@@ -552,7 +552,7 @@ class RealNode:
 
     def _check_alive(self, what: str) -> None:
         rec = self._load() or {}
-        dead = [p["name"] for p in rec.get("procs", []) if not _alive(p)]
+        dead = [p["name"] for p in rec.get("procs", []) if not process_alive(p)]
         if dead:
             raise RuntimeError(f"{', '.join(dead)} exited while waiting for {what}; see {self.logs}")
 
@@ -769,17 +769,17 @@ def _alive_cp(p: dict) -> bool:
 
 def _stop(procs: list[dict], timeout: float = 15) -> None:
     for p in procs:
-        if _alive(p):
+        if process_alive(p):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p["pid"], signal.SIGTERM)
     deadline = time.monotonic() + timeout
     for p in procs:
-        while _alive(p) and time.monotonic() < deadline:
+        while process_alive(p) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _alive(p):
+        if process_alive(p):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p["pid"], signal.SIGKILL)
-            while _alive(p):
+            while process_alive(p):
                 time.sleep(0.05)
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(p["pid"], os.WNOHANG)
@@ -955,7 +955,7 @@ def leftovers(rec: dict) -> list[str]:
     """What of a torn-down node is still on the machine, checked against the record's before-state."""
     out = []
     for p in rec.get("procs", []):
-        if _alive(p):
+        if process_alive(p):
             out.append(f"process {p['name']} ({p['pid']})")
     state, data = rec.get("state", str(STATE)), rec["data"]
     for pid in os.listdir("/proc"):

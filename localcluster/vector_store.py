@@ -49,12 +49,12 @@ def image() -> images.Image:
     archives = images.cache_root() / "archives"
     archives.mkdir(parents=True, exist_ok=True)
     archive = archives / f"{NAME}-{tag}.tar"
-    with images._locked(ref):
-        if not images._image_id(ref):
+    with images.build_lock(ref):
+        if not images.local_image_id(ref):
             _make(ref)
         # finds the image and only writes (or reuses) its archive
-        img = images._build_locked(NAME, ref, "", {}, archive, None)
-    images._prune(NAME, keep=archive, repo=REPO, suffix="")
+        img = images.build_locked(NAME, ref, "", {}, archive, None)
+    images.prune_builds(NAME, keep=archive, repo=REPO, suffix="")
     return img
 
 
@@ -95,25 +95,25 @@ def _make(ref: str) -> None:
     work = Path(tempfile.mkdtemp(prefix="pgvector-", dir=images.cache_root()))
     try:
         rootfs = work / "rootfs"
-        mirror = images._debian_mirror()
-        images._log(f"debootstrap --variant=minbase {SUITE} with {' '.join(PACKAGES)} from {mirror} (about a minute)")
-        images._run(["debootstrap", "--variant=minbase", "--include=" + ",".join(PACKAGES), SUITE, str(rootfs),
+        mirror = images.debian_mirror()
+        images.say(f"debootstrap --variant=minbase {SUITE} with {' '.join(PACKAGES)} from {mirror} (about a minute)")
+        images.run_command(["debootstrap", "--variant=minbase", "--include=" + ",".join(PACKAGES), SUITE, str(rootfs),
                      mirror], stdout=subprocess.DEVNULL)
         # postgresql-common made a default cluster (17/main); the example's initdb makes its own in a volume
         for d in ("var/lib/postgresql/17", "etc/postgresql/17"):
             shutil.rmtree(rootfs / d, ignore_errors=True)
-        images._trim_rootfs(rootfs)
+        images.trim_rootfs(rootfs)
         _renumber_postgres(rootfs)
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "--numeric-owner", "-cf", "-", "."],
                                stdout=subprocess.PIPE)
-        images._run(["podman", "import", "--change", 'CMD ["/bin/bash"]', "--change", "ENV LANG=C.UTF-8",
+        images.run_command(["podman", "import", "--change", 'CMD ["/bin/bash"]', "--change", "ENV LANG=C.UTF-8",
                      "--change", f"ENV PATH={PG_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                      "--change", f"USER {UID}:{GID}", "--quiet", "-", ref], stdin=tar.stdout, capture_output=True)
         if tar.wait() != 0:
             raise RuntimeError("tar of the debootstrap root failed")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    images._log(f"{ref} imported in {time.time() - t0:.0f}s ({images._image_size(ref) / 1e6:.0f} MB)")
+    images.say(f"{ref} imported in {time.time() - t0:.0f}s ({images.local_image_size(ref) / 1e6:.0f} MB)")
 
 
 if __name__ == "__main__":

@@ -434,15 +434,6 @@ class Reconciler:
             keys += [(item["metadata"]["namespace"], item["metadata"]["name"]) for item in items]
         return keys
 
-    def resync(self) -> None:
-        self.kube.forget_capabilities()
-        for ns, name in self.list_all():
-            try:
-                self.reconcile(ns, name)
-            except Exception:  # noqa: BLE001 - one broken object must not stop the loop
-                log.exception("resync of %s/%s failed", ns, name)
-        self.sweep_litellm()
-
     def sweep_litellm(self) -> None:
         """Entries of services deleted while the operator was down (or whose DELETED event was missed)."""
         for ns in self.settings.namespaces or [None]:

@@ -188,11 +188,6 @@ def detect_task(model: ModelSpec) -> str:
     return "embed"
 
 
-def accelerator_kind(spec: EmbeddingServiceSpec) -> str:
-    acc = spec.accelerator
-    return "mig" if acc.mig else "gpu" if acc.gpu else "cpu"
-
-
 def accelerator_summary(spec: EmbeddingServiceSpec) -> str:
     acc = spec.accelerator
     if acc.mig:
