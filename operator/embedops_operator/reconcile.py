@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from collections import defaultdict
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -105,6 +106,8 @@ class Reconciler:
                 tracks = self.tracks(resource, plan)
                 pins = self.pins((namespace, name), resource, options, observed, tracks)
                 manifests = render.render(resource, options, pins, tracks)
+                if not apply_children and pins.server.give_up_first and self._surge_refusal_unwritten(manifests):
+                    apply_children = True  # a pod event found the surge pod unschedulable: switch the rollout now
             except ValidationError as exc:
                 observed.invalid = "; ".join(
                     f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
@@ -192,9 +195,12 @@ class Reconciler:
         spec = parse_resource(resource).spec
         ns, name = key
         owner = render.owner_reference(resource)
-        server = self._choose(key, options, self._own_deployment(resource, tracks.spec),
-                              lambda pin: render.deployment(name, ns, spec, options, owner, pin, tracks.spec,
-                                                            tracks.replicas), observed, "server")
+        live = self._own_deployment(resource, tracks.spec)
+        render_at = lambda pin: render.deployment(name, ns, spec, options, owner, pin, tracks.spec,  # noqa: E731
+                                                  tracks.replicas)
+        server = self._choose(key, options, live, render_at, observed, "server")
+        if not spec.accelerator.cpu and not spec.rollout:
+            server = dataclasses.replace(server, give_up_first=self._surge_refused(ns, live, render_at(server)))
         activator = render.Pin()
         if render.scales_to_zero(spec, options):
             activator = self._choose(key, options, self._own_deployment(resource, render.activator_name(name)),
@@ -321,6 +327,36 @@ class Reconciler:
                 entry["url"] = render.service_url(spaces.space_service_name(name, t.key), ns, es.spec, options)
             out.append({k: v for k, v in entry.items() if v is not None})
         return out
+
+    def _surge_refused(self, namespace: str, live: dict | None, desired: dict) -> bool:
+        """Whether a GPU/MIG Deployment's rollout to `desired`'s template must give an old replica's accelerator up
+        first: it was found so before (the live annotation names this template), or the rollout is under way and a
+        pod of it waits for an accelerator (the surge pod: no spare slice in the cluster). A new template starts
+        with a surge again."""
+        if live is None:
+            return False
+        annotations = (live.get("metadata") or {}).get("annotations") or {}
+        template = desired["metadata"]["annotations"][render.ANNOTATION_TEMPLATE_HASH]
+        if annotations.get(render.ANNOTATION_SURGE_REFUSED) == template:
+            return True
+        if annotations.get(render.ANNOTATION_TEMPLATE_HASH) != template:
+            return False  # the rollout to this template has not started: try a surge first
+        st, want = live.get("status") or {}, (live.get("spec") or {}).get("replicas") or 0
+        # rolling: a surge pod beside the old ones, or old ones left (updatedReplicas counts pending pods too)
+        if (st.get("replicas") or 0) <= want and (st.get("updatedReplicas") or 0) >= want:
+            return False  # not rolling (a pod waiting for an accelerator now is a scale-up: Stalled says so)
+        labels = (live.get("metadata") or {}).get("labels") or {}
+        pods = self.kube.list("v1", "Pod", namespace, f"{render.LABEL_SERVICE}={labels.get(render.LABEL_SERVICE)}")
+        track = labels.get(render.LABEL_INSTANCE)
+        return any(status.waits_for_accelerator(p) for p in pods
+                   if ((p.get("metadata") or {}).get("labels") or {}).get(render.LABEL_INSTANCE) == track)
+
+    def _surge_refusal_unwritten(self, manifests: list[dict]) -> bool:
+        dep = manifests[0]
+        live = self.kube.get("apps/v1", "Deployment", dep["metadata"]["namespace"], dep["metadata"]["name"])
+        have = ((live or {}).get("metadata") or {}).get("annotations") or {}
+        return have.get(render.ANNOTATION_SURGE_REFUSED) != dep["metadata"]["annotations"].get(
+            render.ANNOTATION_SURGE_REFUSED)
 
     def _own_deployment(self, resource: dict, name: str) -> dict | None:
         live = self.kube.get("apps/v1", "Deployment", resource["metadata"]["namespace"], name)

@@ -126,6 +126,9 @@ TEMPLATE_REVISIONS = {
 TEMPLATE_REVISION = max(TEMPLATE_REVISIONS)
 ANNOTATION_TEMPLATE_REVISION = "embedops.dev/template-revision"
 ANNOTATION_TEMPLATE_HASH = "embedops.dev/template-hash"  # of the template as rendered: did the spec change it?
+# On a GPU/MIG Deployment: the template hash whose rollout found no spare accelerator for its surge pod, so that
+# rollout gives an old replica's accelerator up first (Pin.give_up_first); a later template surges again
+ANNOTATION_SURGE_REFUSED = "embedops.dev/surge-refused"
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,8 @@ class Pin:
     spec names no image, the image (None: the operator's current one)."""
     revision: int = TEMPLATE_REVISION
     image: str | None = None
+    # a GPU/MIG rollout whose surge pod found no spare accelerator: an old replica stops first (reconcile.py)
+    give_up_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -625,10 +630,14 @@ def deployment(name: str, ns: str, spec: EmbeddingServiceSpec, options: Options,
     label; the service's own name but during a change of the embedding space), with `replicas` when given."""
     service_name, name = name, track or name
     labels = track_labels(service_name, name, detect_task(spec.model))
-    if spec.accelerator.cpu:
-        rolling: dict[str, Any] = {"maxSurge": 1, "maxUnavailable": 0}
-    else:  # the old pod gives its slice/GPU up first: no deadlock when no spare accelerator exists
-        rolling = {"maxSurge": 0, "maxUnavailable": 1}
+    gpu = not spec.accelerator.cpu
+    if gpu and pin.give_up_first:  # no spare accelerator for a surge pod: the old pod gives its slice/GPU up first
+        rolling: dict[str, Any] = {"maxSurge": 0, "maxUnavailable": 1}
+    else:
+        # CPU, and GPU/MIG while a spare accelerator may exist: the replacement loads before an old replica stops
+        # (one replica is never down for a model load); the reconciler switches a GPU rollout to the above as soon
+        # as its surge pod cannot be scheduled, so a full node never deadlocks it
+        rolling = {"maxSurge": 1, "maxUnavailable": 0}
     if spec.rollout:  # e.g. one GPU replica with a spare slice: surge instead of an outage for a model load
         if spec.rollout.max_surge is not None:
             rolling["maxSurge"] = spec.rollout.max_surge
@@ -647,8 +656,10 @@ def deployment(name: str, ns: str, spec: EmbeddingServiceSpec, options: Options,
         "strategy": strategy,
         "template": pod_template(name, spec, options, pin, service_name),
     })
-    return {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": pin_annotations(_meta(name, ns, labels, owner), pin, dspec["template"]), "spec": dspec}
+    meta = pin_annotations(_meta(name, ns, labels, owner), pin, dspec["template"])
+    if gpu and pin.give_up_first:
+        meta["annotations"][ANNOTATION_SURGE_REFUSED] = meta["annotations"][ANNOTATION_TEMPLATE_HASH]
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": dspec}
 
 
 def service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, serving: str | None = None) -> dict:

@@ -286,9 +286,11 @@ IntOrPercent = Annotated[int | str, WithJsonSchema(
 
 
 class Rollout(Model):
-    """The Deployment's rolling update. Default: CPU surges (maxSurge 1, maxUnavailable 0); GPU and MIG give
-    the old pod's slice up first (maxSurge 0, maxUnavailable 1), which for one replica is an outage for the
-    length of a model load: set maxSurge 1 and maxUnavailable 0 where a spare slice exists."""
+    """The Deployment's rolling update. Default: a surge (maxSurge 1, maxUnavailable 0: the replacement loads
+    before an old replica stops); on GPU and MIG, as soon as a rollout's surge pod cannot be scheduled (no spare
+    slice or GPU), the operator switches that rollout to giving an old replica's accelerator up first (maxSurge
+    0, maxUnavailable 1), so a full node never deadlocks it. Setting either field here fixes the strategy as
+    given, whatever the cluster has free."""
     max_surge: IntOrPercent | None = None
     max_unavailable: IntOrPercent | None = None
 

@@ -68,6 +68,12 @@ def _unschedulable(pod: dict, now: dt.datetime) -> tuple[dict, float] | None:
     return None
 
 
+def waits_for_accelerator(pod: dict) -> bool:
+    """The scheduler found no node with the pod's accelerator (MIG slice or GPU) free."""
+    unsched = _unschedulable(pod, dt.datetime.now(dt.timezone.utc))
+    return unsched is not None and "nvidia.com/" in unsched[0].get("message", "")
+
+
 def stall_check_in(pods: list[dict], now: dt.datetime, stall_after: float) -> float | None:
     """Seconds until the next unschedulable pod has waited `stall_after` (status must be recomputed then: no
     event marks that moment); None when no pod is waiting to cross it."""
@@ -246,8 +252,8 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
             if str(rolling.get("maxSurge", "")) in ("0", "0%"):
                 # no spare accelerator is assumed (MIG, GPU): the old pod frees its slice first
                 msg += ("; maxSurge 0: each old replica stops before its replacement loads, so the service runs "
-                        f"{max(desired - 1, 0)} replica(s) meanwhile (spec.rollout.maxSurge 1 surges instead where a "
-                        "spare slice exists)")
+                        f"{max(desired - 1, 0)} replica(s) meanwhile (no spare accelerator was free for a surge pod, "
+                        "or spec.rollout says so)")
         else:
             reason, msg = "WaitingForReplicas", f"{ready}/{desired} replicas ready"
         cond("Ready", "False", reason, msg)

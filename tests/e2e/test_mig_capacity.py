@@ -109,3 +109,72 @@ def test_no_free_slice_ends_stalled(embsvc, operator):
     _t("one-too-many Ready after the filler went")
     assert not is_true(obj, "Stalled")
     assert kstatus(obj)["status"] == "Current"
+
+
+def _ready_pods(embsvc, name: str) -> int:
+    return sum(1 for p in embsvc.pods(name) if not p.metadata.deletion_timestamp and any(
+        c.type == "Ready" and c.status == "True" for c in p.status.conditions or []))
+
+
+def _rolled_out(embsvc, name: str, replicas: int):
+    d = embsvc.deployment(name)
+    st = d.status
+    done = (st.observed_generation or 0) >= d.metadata.generation and (st.updated_replicas or 0) == replicas \
+        and (st.available_replicas or 0) == replicas and (st.replicas or 0) == replicas
+    return d if done else None
+
+
+def _change_and_watch(embsvc, name: str, tokens: int, replicas: int) -> tuple[object, int, float]:
+    """Change the service's pod template and wait for the rollout's end, sampling its Ready pods meanwhile:
+    (the Deployment, the fewest Ready pods seen, seconds)."""
+    import time
+
+    before = embsvc.deployment(name).metadata.annotations["embedops.dev/template-hash"]
+    embsvc.co.patch_namespaced_custom_object("embedops.dev", "v1alpha1", embsvc.ns, "embeddingservices", name,
+                                             {"spec": {"batching": {"maxBatchTokens": tokens}}})
+    t0, fewest = time.monotonic(), replicas
+    while time.monotonic() - t0 < 180:
+        d = _rolled_out(embsvc, name, replicas)
+        if d is not None and d.metadata.annotations["embedops.dev/template-hash"] != before:
+            return d, fewest, time.monotonic() - t0
+        fewest = min(fewest, _ready_pods(embsvc, name))
+        time.sleep(0.2)
+    pytest.fail(f"{name}'s rollout did not end: {embsvc.deployment(name).status}\n"
+                f"pods: {pod_summary(embsvc.pods(name))}")
+
+
+def test_a_rollout_surges_where_a_slice_is_free_and_gives_one_up_on_a_full_node(embsvc, operator):
+    """Issue 36: a single MIG replica rolls without going down while a slice is free (a surge); on a full node
+    the surge pod cannot be scheduled and the operator switches that rollout to giving an old replica's slice up
+    first, so it ends instead of deadlocking; the next rollout tries a surge again."""
+    wait_for(lambda: settled(embsvc.core), timeout=120, what="earlier tests' namespaces to be deleted")
+    free = free_slices(embsvc.core)
+    assert free >= 2, free
+    embsvc.create(mig_service("surging", 1))
+    embsvc.wait_condition("surging", "Ready", timeout=240)
+
+    d, fewest, took = _change_and_watch(embsvc, "surging", 8192, 1)
+    print(f"with {free - 1} slices free: rolled in {took:.1f} s, fewest Ready pods {fewest}, "
+          f"strategy {d.spec.strategy.rolling_update}")
+    assert (d.spec.strategy.rolling_update.max_surge, d.spec.strategy.rolling_update.max_unavailable) == (1, 0)
+    assert "embedops.dev/surge-refused" not in d.metadata.annotations
+    assert fewest == 1  # never down for a model load
+
+    embsvc.create(mig_service("mig-filler-2", free - 1))
+    try:
+        embsvc.wait_condition("mig-filler-2", "Ready", timeout=240)
+        assert free_slices(embsvc.core) == 0
+        d, fewest, took = _change_and_watch(embsvc, "surging", 4096, 1)
+        annotations = d.metadata.annotations
+        print(f"on a full node: rolled in {took:.1f} s, fewest Ready pods {fewest}, "
+              f"strategy {d.spec.strategy.rolling_update}")
+        assert (d.spec.strategy.rolling_update.max_surge, d.spec.strategy.rolling_update.max_unavailable) == (0, 1)
+        assert annotations["embedops.dev/surge-refused"] == annotations["embedops.dev/template-hash"]
+        assert not is_true(embsvc.get("surging"), "Stalled")
+    finally:
+        embsvc.delete("mig-filler-2")
+    wait_for(lambda: not embsvc.pods("mig-filler-2"), timeout=240, what="filler pods gone")
+    d, fewest, took = _change_and_watch(embsvc, "surging", 2048, 1)
+    print(f"slices free again: rolled in {took:.1f} s, fewest Ready pods {fewest}")
+    assert (d.spec.strategy.rolling_update.max_surge, d.spec.strategy.rolling_update.max_unavailable) == (1, 0)
+    embsvc.delete("surging")

@@ -190,9 +190,9 @@ def test_rollout_override_lets_one_gpu_replica_surge():
     spec["rollout"] = {"maxSurge": 1, "maxUnavailable": 0}
     assert by_kind(render(spec))["Deployment"]["spec"]["strategy"]["rollingUpdate"] == \
         {"maxSurge": 1, "maxUnavailable": 0}
-    spec["rollout"] = {"maxSurge": "25%"}
+    spec["rollout"] = {"maxSurge": "25%"}  # the other field keeps the default (a surge)
     assert by_kind(render(spec))["Deployment"]["spec"]["strategy"]["rollingUpdate"] == \
-        {"maxSurge": "25%", "maxUnavailable": 1}
+        {"maxSurge": "25%", "maxUnavailable": 0}
 
 
 def test_printer_columns_show_memory_and_commit_wide():

@@ -31,8 +31,14 @@ def test_mig_mixed_strategy():
     assert c["image"] == R.Options().cuda_image
     assert arg(c, "--dtype") == "float16"
     assert "nodeSelector" not in pod  # the extended resource itself places the pod
+    # a surge first (the replacement loads before an old replica stops); without a spare slice the reconciler
+    # gives one up first instead (tests/unit/test_operator_surge.py)
     assert by_kind(out)["Deployment"]["spec"]["strategy"] == {
-        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    given_up = by_kind(R.render(defaulted(es(MIG)), pins=R.Pins(R.Pin(give_up_first=True))))["Deployment"]
+    assert given_up["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    annotations = given_up["metadata"]["annotations"]
+    assert annotations[R.ANNOTATION_SURGE_REFUSED] == annotations[R.ANNOTATION_TEMPLATE_HASH]
     assert any(v["name"] == "dshm" for v in pod["volumes"])
 
 
@@ -54,7 +60,7 @@ def test_whole_gpu():
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L4"}
     assert arg(c, "--dtype") == "float16"
-    assert by_kind(out)["Deployment"]["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+    assert by_kind(out)["Deployment"]["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 1
 
 
 def test_cpu_nfd_selectors_threads_and_surge():
