@@ -122,6 +122,7 @@ TEMPLATE_REVISIONS = {
     0: "the template as rendered until 2026-12-05",
     1: "the prepare step gets no API key; containers request ephemeral storage for their emptyDir volumes; the "
        "download step quotes the model's cache path",
+    2: "the server retires keep-alive connections older than spec.service.maxConnectionAgeSeconds",
 }
 TEMPLATE_REVISION = max(TEMPLATE_REVISIONS)
 ANNOTATION_TEMPLATE_REVISION = "embedops.dev/template-revision"
@@ -315,7 +316,7 @@ def _node_selector(spec: EmbeddingServiceSpec) -> dict[str, str]:
     return dict(sorted(sel.items()))
 
 
-def _args(spec: EmbeddingServiceSpec) -> list[str]:
+def _args(spec: EmbeddingServiceSpec, revision: int = TEMPLATE_REVISION) -> list[str]:
     m, b = spec.model, spec.batching
     args = ["--model-id", m.id]
     if m.revision:
@@ -337,6 +338,9 @@ def _args(spec: EmbeddingServiceSpec) -> list[str]:
         args += ["--num-threads", str(spec.accelerator.cpu.cores)]
     # SIGTERM arrives after the preStop sleep; in-flight requests get the rest of the grace period
     args += ["--graceful-shutdown-timeout", str(GRACE_MARGIN - 5)]
+    if revision >= 2 and spec.service.max_connection_age_seconds:
+        # clients that keep connections open follow the Service's selector (a promoted space, new replicas)
+        args += ["--max-connection-age", str(spec.service.max_connection_age_seconds)]
     if m.pooling:
         args += ["--pooling", m.pooling]
     if m.prompts and m.prompts.default_prompt_name:
@@ -469,7 +473,7 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: P
     # the server only reads what the prepare step made: a server that would write there is a bug, not a fallback
     server_mounts = mounts + [{**cache_mount, "readOnly": True}]
     # the prepare step answers no request: it has no use for the API key (revision 1)
-    init.append(_prepare_container(spec, image, _args(spec), _env(spec, cache_dir, api_key=revision < 1),
+    init.append(_prepare_container(spec, image, _args(spec, revision), _env(spec, cache_dir, api_key=revision < 1),
                                    [dict(m) for m in mounts] + [cache_mount], est))
     if gpu:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}})
@@ -479,7 +483,7 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: P
         "name": "server",
         "image": image,
         "command": ["embedops-server"],
-        "args": _args(spec),
+        "args": _args(spec, revision),
         "env": _env(spec, cache_dir),
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
         "resources": _resources(spec),

@@ -328,6 +328,11 @@ class Migration(Model):
 class ServiceSpec(Model):
     type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     port: int = Field(80, ge=1, le=65535)
+    max_connection_age_seconds: int = Field(30, ge=0, le=86400, description=(
+        "A client's keep-alive connection is closed after its first answer past this age (Connection: close), so "
+        "clients that keep connections open follow the Service to the pods it selects now: a promoted embedding "
+        "space within this many seconds, replicas an autoscaler added. 0: never (such clients stay on the pods "
+        "they first reached, across a promotion too)."))
 
 
 class ParentRef(Model):

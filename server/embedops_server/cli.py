@@ -58,6 +58,9 @@ FLAGS = [
     ("--hostname", str, "0.0.0.0", "address to bind"),
     ("--port", int, 8080, "port for the API, /health and /metrics"),
     ("--graceful-shutdown-timeout", float, 30.0, "seconds to finish in-flight requests after SIGTERM"),
+    ("--max-connection-age", float, 0.0, "seconds after which a keep-alive connection is closed after its next "
+     "answer (Connection: close), so clients follow the Service to new pods (a promoted embedding space, added "
+     "replicas); 0 = never"),
     ("--onnx-cache", str, None, "where ONNX exports and int8 models are written (default ~/.cache/embedops)"),
     ("--log-level", str, "info", "debug | info | warning | error"),
     ("--outputs", str, None, "comma-separated outputs the model must give (dense, sparse, colbert: bge-m3's "

@@ -32,6 +32,7 @@ class Settings:
     port: int = 8080
     json_output: bool = False
     graceful_shutdown_timeout: float = 30.0
+    max_connection_age: float = 0.0  # seconds; 0: keep-alive connections live as long as the client keeps them
     onnx_cache: str | None = None
     cors_allow_origin: str | None = None  # comma-separated origins or "*"; None: no CORS headers
     outputs: str | None = None  # comma-separated outputs the model must have (dense, sparse, colbert)

@@ -49,6 +49,32 @@ while not os.path.exists("/tmp/stop") and time.time() - t0 < float(os.environ["M
 """
 
 
+# The same on one kept-open connection (an SDK's pool): [time, status, space, v0, local port]. The server closes it
+# once it is older than spec.service.maxConnectionAgeSeconds; http.client then opens a new one (kube-proxy picks
+# a pod of the Service's selector for it).
+POOLED = r"""
+import http.client, json, os, time, urllib.parse
+u = urllib.parse.urlsplit(os.environ["URL"])
+conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=10)
+body, period = os.environ["BODY"], float(os.environ["PERIOD"])
+t0 = time.time()
+print("started", flush=True)
+while not os.path.exists("/tmp/stop") and time.time() - t0 < float(os.environ["MAX_SECONDS"]):
+    t = time.time()
+    try:
+        conn.request("POST", u.path, body, {"Content-Type": "application/json"})
+        port = conn.sock.getsockname()[1]
+        r = conn.getresponse()
+        v = json.loads(r.read())[0]
+        print(json.dumps([round(t, 3), r.status, r.getheader("embedding-space"), round(v[0], 6), port]), flush=True)
+    except Exception as e:
+        conn.close()
+        print(json.dumps([round(t, 3), 0, type(e).__name__, None, None]), flush=True)
+    time.sleep(max(0.0, period - (time.time() - t)))
+"""
+MAX_CONNECTION_AGE = 3
+
+
 def spaces_of(svc, role: str | None = None) -> dict:
     return {x["role"]: x for x in (svc.get(NAME).get("status") or {}).get("spaces") or []}
 
@@ -77,6 +103,7 @@ def test_a_model_change_never_mixes_two_spaces_behind_the_service_address(kube, 
     doc["metadata"]["name"] = NAME
     doc["spec"]["replicas"] = 3
     doc["spec"]["accelerator"]["cpu"]["memory"] = "1Gi"  # six pods during the migration on one 24 GiB node
+    doc["spec"]["service"] = {"maxConnectionAgeSeconds": MAX_CONNECTION_AGE}
     prerequisites(kube, ns, [doc], host_path=real.models_hostpath)
     svc.create(doc)
     wait_ready(svc, NAME, real, replicas=3)
@@ -85,7 +112,12 @@ def test_a_model_change_never_mixes_two_spaces_behind_the_service_address(kube, 
     svc.core.create_namespaced_pod(ns, client_pod(probe, real.server_image, PROBE, real.node_selector, {
         "URL": service_url(NAME, ns) + "/embed", "BODY": json.dumps({"inputs": [TEXT]}), "PERIOD": 0.05,
         "MAX_SECONDS": 600}))
-    wait_for(lambda: len(pod_log(svc.core, ns, probe).splitlines()) > 20, timeout=120, what="probe answering")
+    pooled = "space-pooled"
+    svc.core.create_namespaced_pod(ns, client_pod(pooled, real.server_image, POOLED, real.node_selector, {
+        "URL": service_url(NAME, ns) + "/embed", "BODY": json.dumps({"inputs": [TEXT]}), "PERIOD": 0.05,
+        "MAX_SECONDS": 600}))
+    for name in (probe, pooled):
+        wait_for(lambda n=name: len(pod_log(svc.core, ns, n).splitlines()) > 20, timeout=120, what=f"{name} answering")
     changed = time.time()
     svc.co.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, NAME, {"spec": {"model": {"pooling": "cls"}}})
 
@@ -107,10 +139,13 @@ def test_a_model_change_never_mixes_two_spaces_behind_the_service_address(kube, 
     rolled_back = promote(svc, old["key"])
     wait_for(lambda: spaces_of(svc).get("serving", {}).get("key") == old["key"], timeout=60, what="rolled back")
     time.sleep(5)
-    exec_in(kube, ns, probe, ["python3", "-c", "open('/tmp/stop', 'w').close()"])
-    wait_pod_phase(svc.core, ns, probe, ("Succeeded",), timeout=60)
-    answers = [json.loads(x) for x in svc.core.read_namespaced_pod_log(probe, ns).splitlines() if x.startswith("[")]
-    svc.core.delete_namespaced_pod(probe, ns, grace_period_seconds=0)
+    logs = {}
+    for name in (probe, pooled):
+        exec_in(kube, ns, name, ["python3", "-c", "open('/tmp/stop', 'w').close()"])
+        wait_pod_phase(svc.core, ns, name, ("Succeeded",), timeout=60)
+        logs[name] = [json.loads(x) for x in svc.core.read_namespaced_pod_log(name, ns).splitlines() if x.startswith("[")]
+        svc.core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
+    answers = logs[probe]
     failed = [a for a in answers if a[1] != 200]
     by_space = {}
     for _, status, space, v0 in answers:
@@ -131,4 +166,20 @@ def test_a_model_change_never_mixes_two_spaces_behind_the_service_address(kube, 
     assert all(len(v) == 1 for v in by_space.values()), by_space  # the header and the vector agree: one vector each
     assert r[0][2] < r[1][1] and r[1][2] < r[2][1]  # no answer of a space after the other began, either way
     assert r[1][1] >= promoted - 0.5  # nothing of the new space before the promotion (clocks: the same host's)
+
+    # the kept-open connection: the old space until the connection's age limit, then only the new one; the same
+    # way back after the rollback; no answer failed (a retired connection is closed after an answer, never under
+    # a request)
+    kept = logs[pooled]
+    kr = runs([a[:4] for a in kept])
+    pooled_summary = {"answers": len(kept), "failed": sum(1 for a in kept if a[1] != 200),
+                      "connections": len({a[4] for a in kept if a[1] == 200}),
+                      "runs": [[s, round(a - changed, 2), round(b - changed, 2), n] for s, a, b, n in kr],
+                      "promotion_to_last_old_s": round(kr[0][2] - promoted, 2),
+                      "rollback_to_last_new_s": round(kr[1][2] - rolled_back, 2) if len(kr) > 1 else None}
+    print(f"the same on one kept-open connection (max age {MAX_CONNECTION_AGE} s): {json.dumps(pooled_summary)}")
+    assert pooled_summary["failed"] == 0, [a for a in kept if a[1] != 200][:10]
+    assert [s for s, *_ in kr] == [old["fingerprint"], cand["fingerprint"], old["fingerprint"]], pooled_summary
+    assert kr[0][2] - promoted <= MAX_CONNECTION_AGE + 1, pooled_summary
+    assert kr[1][2] - rolled_back <= MAX_CONNECTION_AGE + 1, pooled_summary
     svc.delete(NAME)

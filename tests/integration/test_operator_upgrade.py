@@ -16,6 +16,7 @@ import time
 
 import pytest
 import yaml
+from embedops_operator.render import TEMPLATE_REVISION
 
 from tests.integration.operator_process import (GROUP, PLURAL, REPO, VERSION, OperatorProcess, es_body, install_crd,
                                                 operator_env, wait_for)
@@ -103,6 +104,9 @@ def rolling(d: dict) -> bool:
             or st.get("availableReplicas", 0) < want or st.get("replicas", 0) > want)
 
 
+LATEST = str(TEMPLATE_REVISION)
+
+
 def test_an_operator_upgrade_restarts_nothing_and_a_fleet_image_change_is_paced(env):
     # 1. the previous release: its CRD, its operator, four services Ready on the kwok nodes
     root = previous_release(env.tmp)
@@ -161,7 +165,7 @@ def test_an_operator_upgrade_restarts_nothing_and_a_fleet_image_change_is_paced(
 
     def moved():  # every service on the latest template revision, the CPU ones on the new image, none rolling
         ds = deployments(env)
-        return all(ds[n]["metadata"]["annotations"]["embedops.dev/template-revision"] == "1" and not rolling(ds[n])
+        return all(ds[n]["metadata"]["annotations"]["embedops.dev/template-revision"] == LATEST and not rolling(ds[n])
                    and (n not in cpu or ds[n]["spec"]["template"]["spec"]["containers"][0]["image"] == NEW_IMAGE)
                    for n in SERVICES)
     try:

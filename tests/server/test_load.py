@@ -224,3 +224,42 @@ def test_after_sigterm_a_pooled_connection_is_served_and_retired(tmp_path):
             proc.kill()
             proc.wait()
     assert "draining" in log.read_text()
+
+
+def test_a_pooled_connection_older_than_its_age_limit_is_retired_after_an_answer(tmp_path):
+    """--max-connection-age: a client that keeps its connection open (an SDK's pool) gets its answers on it until
+    the connection is that old, then one more answer with ``Connection: close``, and its next request opens a new
+    connection, which a Service may send to another pod (the promoted embedding space, an added replica)."""
+    import http.client
+    import json
+
+    port = free_port()
+    env = dict(os.environ, PORT=str(port), MODEL_ID=str(minilm_dir()), NUM_THREADS="1", TOKENIZATION_WORKERS="1",
+               PYTHONPATH=os.pathsep.join(["server", "."]))
+    with open(tmp_path / "server.log", "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "embedops_server.cli", "--backend", "torch",
+                                 "--hostname", "127.0.0.1", "--max-connection-age", "1"], env=env, stdout=fh,
+                                stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", timeout=180)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        body, headers = json.dumps({"inputs": ["pooled"]}), {"Content-Type": "application/json"}
+
+        def call() -> tuple[int, str | None, tuple]:
+            conn.request("POST", "/embed", body, headers)
+            r = conn.getresponse()
+            local = conn.sock.getsockname() if conn.sock else None
+            r.read()
+            return r.status, r.getheader("connection"), local
+
+        first = call()
+        second = call()
+        assert first[:2] == (200, None) and second[:2] == (200, None) and first[2] == second[2]  # one connection
+        time.sleep(1.2)
+        retiring = call()
+        assert retiring[:2] == (200, "close"), retiring
+        after = call()  # http.client opens a new connection for it
+        assert after[:2] == (200, None) and after[2] != first[2], (first, after)
+    finally:
+        proc.kill()
+        proc.wait()

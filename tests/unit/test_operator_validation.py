@@ -116,7 +116,7 @@ def test_defaults_applied_like_the_api_server():
                              "autoTruncate": True}
     assert d["accelerator"]["mig"] == {"profile": "1g.10gb", "product": "H100-80GB", "count": 1, "strategy": "mixed"}
     assert d["monitoring"] == {"serviceMonitor": {"enabled": True, "interval": "30s"}}
-    assert d["service"] == {"type": "ClusterIP", "port": 80}
+    assert d["service"] == {"type": "ClusterIP", "port": 80, "maxConnectionAgeSeconds": 30}
     # pydantic applies the same defaults
     parsed = S.parse(es(MIG)).spec
     assert parsed.batching.max_batch_tokens == 16384 and parsed.accelerator.mig.product == "H100-80GB"

@@ -18,7 +18,7 @@ from ..settings import Settings
 from . import errors, openapi, routes_compat, routes_m3, routes_tei
 from .errors import error_response
 from .fast_path import FastPath
-from .middleware import DrainMiddleware, GuardMiddleware
+from .middleware import ConnectionCloseMiddleware, GuardMiddleware
 from .timing import TimingMiddleware
 from .routes_tei import json_response
 from .schemas import INFO_OK
@@ -156,8 +156,9 @@ def create_app(settings: Settings, service=None,
     if os.environ.get("EMBEDOPS_FAST_PATH", "1") != "0":  # the embedding routes without FastAPI's machinery
         inner = FastPath(app, settings.payload_limit)
     state = app.state.embedops
-    outer = DrainMiddleware(TimingMiddleware(GuardMiddleware(inner, settings.payload_limit, settings.api_key),
-                                             space=state.space_header), state)
+    outer = ConnectionCloseMiddleware(
+        TimingMiddleware(GuardMiddleware(inner, settings.payload_limit, settings.api_key), space=state.space_header),
+        state, settings.max_connection_age)
     if settings.cors_allow_origin:
         from starlette.middleware.cors import CORSMiddleware
 

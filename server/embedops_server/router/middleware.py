@@ -1,8 +1,9 @@
-"""Pure-ASGI middleware: payload limit (JSON 413, also for chunked bodies) and bearer-token auth; and, while
-the server drains, ``Connection: close`` on every answer."""
+"""Pure-ASGI middleware: payload limit (JSON 413, also for chunked bodies) and bearer-token auth; and
+``Connection: close`` on every answer while the server drains, or on a connection older than its age limit."""
 from __future__ import annotations
 
 import hmac
+import time
 
 from ..asgi import BodyTooLarge, read_body, replay
 from .errors import error_body
@@ -60,18 +61,46 @@ class GuardMiddleware:
         return await self.app(scope, replay(body, receive), send)
 
 
-class DrainMiddleware:
-    """While the server drains (after SIGTERM), every answer carries ``Connection: close``: a client's pooled
-    keep-alive connection is retired after the request it just sent, and the client's next request opens a
-    connection to a pod that is not going away. Closing idle pooled connections instead races with a request
-    being sent on them (lost: an HTTP client does not resend a POST on a connection closed under it)."""
+class ConnectionCloseMiddleware:
+    """``Connection: close`` on an answer: a client's pooled keep-alive connection is retired after the request it
+    just sent, and its next request opens a new connection, which the Service may send to another pod. Closing
+    idle pooled connections instead races with a request being sent on them (lost: an HTTP client does not
+    resend a POST on a connection closed under it). Two cases:
 
-    def __init__(self, app, state):
+    - while the server drains (after SIGTERM): every answer, so clients move to pods that are not going away;
+    - with ``max_age`` > 0, the first answer on a connection older than that: a Service's new choice of pods
+      (the embedding space promoted in a migration, replicas an autoscaler added) reaches clients that keep
+      connections open within ``max_age`` seconds, instead of never (kube-proxy moves new connections only).
+
+    A connection is known by its client address and port (ASGI has no connection id); its age counts from its
+    first request. A port reused by a later connection within the bookkeeping window only closes that one early.
+    """
+
+    def __init__(self, app, state, max_age: float = 0.0):
         self.app = app
         self.state = state
+        self.max_age = max_age
+        self._first_seen: dict[tuple, float] = {}
+        self._pruned = time.monotonic()
+
+    def _expired(self, scope) -> bool:
+        client = scope.get("client")
+        if not self.max_age or not client:
+            return False
+        now = time.monotonic()
+        key = tuple(client)
+        first = self._first_seen.setdefault(key, now)
+        if now - first < self.max_age:
+            if now - self._pruned > self.max_age:  # forget connections not seen for a while (closed ones)
+                self._pruned = now
+                horizon = now - 2 * self.max_age
+                self._first_seen = {k: v for k, v in self._first_seen.items() if v > horizon or k == key}
+            return False
+        del self._first_seen[key]
+        return True
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.state.draining:
+        if scope["type"] != "http" or not (self.state.draining or self._expired(scope)):
             return await self.app(scope, receive, send)
 
         async def send_closing(message):

@@ -22,7 +22,7 @@ RETIRE_SECONDS = 2.0  # after SIGTERM, how long pooled keep-alive connections ge
 
 class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT: /health answers 503 and the listener closes; for RETIRE_SECONDS every answer carries
-    ``Connection: close`` (router/middleware.py's DrainMiddleware), so each client's pooled connection is
+    ``Connection: close`` (router/middleware.py's ConnectionCloseMiddleware), so each client's pooled connection is
     retired after its next request; then uvicorn closes what is left idle and waits for in-flight requests up
     to --graceful-shutdown-timeout.
 
