@@ -637,7 +637,11 @@ class RealNode:
             "nodePortAddresses": [f"{HOST_IP}/32"], "oomScoreAdj": 0,
             "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s",
                           "tcpCloseWaitTimeout": "0s"},
-            "iptables": {"localhostNodePorts": False, "syncPeriod": "30s", "minSyncPeriod": "0s"},
+            # syncPeriod 5 s (default 30 s): kube-router's policy controller restores the whole filter table it
+            # saved a moment before (cloudnativelabs/kube-router#1248, #1372), which can undo kube-proxy's newest
+            # filter rules, e.g. put back a "has no endpoints" REJECT of a Service that just got its first ready
+            # pod; kube-proxy writes them again at its next sync, so this bounds that window
+            "iptables": {"localhostNodePorts": False, "syncPeriod": "5s", "minSyncPeriod": "0s"},
             "detectLocalMode": "ClusterCIDR",
         }, indent=1))
         self._spawn("kube-proxy", [str(bins.kube_proxy), f"--config={kp}", "--v=1"])

@@ -325,6 +325,8 @@ class Reconciler:
                      "serving": t is plan.serving, "role": role, "since": served}
             if plan.migrating:
                 entry["url"] = render.service_url(spaces.space_service_name(name, t.key), ns, es.spec, options)
+                if es.spec.gateway is not None:
+                    entry["gatewayPath"] = render.space_gateway_path(es.spec, t.key)
             out.append({k: v for k, v in entry.items() if v is not None})
         return out
 

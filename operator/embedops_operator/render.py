@@ -917,10 +917,22 @@ def service_monitor(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict 
                      "endpoints": [endpoint]}}
 
 
-def http_route(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None) -> dict:
+def space_gateway_path(spec: EmbeddingServiceSpec, key: str) -> str:
+    """Where one embedding space answers on the service's gateway during a migration: its own routes under
+    `<pathPrefix>/spaces/<key>`, whichever space the service's own routes reach."""
+    assert spec.gateway is not None
+    return f"{spec.gateway.path_prefix}/spaces/{key}"
+
+
+def http_route(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, space: str | None = None) -> dict:
+    """The service's routes on its gateway(s); with `space` (a key), that space's own during a migration: the same
+    paths under space_gateway_path, to the space's own Service `<name>-<key>`."""
+    from .spaces import space_service_name
+
     gw = spec.gateway
     assert gw is not None
-    prefix = gw.path_prefix
+    prefix = gw.path_prefix if space is None else space_gateway_path(spec, space)
+    backend = name if space is None else space_service_name(name, space)
     rules = []
     for kind, path in route_paths(spec):
         rule: dict[str, Any] = {"matches": [{"path": {"type": kind, "value": prefix + path}}]}
@@ -928,7 +940,7 @@ def http_route(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | Non
             rule["filters"] = [{"type": "URLRewrite", "urlRewrite": {"path": (
                 {"type": "ReplacePrefixMatch", "replacePrefixMatch": path} if kind == "PathPrefix"
                 else {"type": "ReplaceFullPath", "replaceFullPath": path})}}]
-        rule["backendRefs"] = [{"name": name, "port": spec.service.port}]
+        rule["backendRefs"] = [{"name": backend, "port": spec.service.port}]
         rules.append(rule)
     parents = []
     for p in gw.parent_refs:
@@ -942,8 +954,11 @@ def http_route(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | Non
     if gw.hostnames:
         route_spec["hostnames"] = list(gw.hostnames)
     route_spec["rules"] = rules
-    return {"apiVersion": HTTPROUTE[0], "kind": HTTPROUTE[1],
-            "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner), "spec": route_spec}
+    labels = common_labels(name, detect_task(spec.model))
+    if space is not None:  # its own instance label, as the space's Service has
+        labels.update({LABEL_INSTANCE: backend, LABEL_SPACE: space})
+    return {"apiVersion": HTTPROUTE[0], "kind": HTTPROUTE[1], "metadata": _meta(backend, ns, labels, owner),
+            "spec": route_spec}
 
 
 def scaled_object(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, options: Options,
@@ -1095,6 +1110,7 @@ def render(resource: dict, options: Options | None = None, pins: Pins | None = N
         out.append(service_monitor(name, ns, spec, owner))
     if spec.gateway and HTTPROUTE in options.capabilities:
         out.append(http_route(name, ns, spec, owner))
+        out += [http_route(name, ns, spec, owner, key) for key, _ in tracks.spaces]
     scaler = autoscaler_kind(spec, options)
     if scaler == "keda" and SCALEDOBJECT in options.capabilities:
         out.append(scaled_object(name, ns, spec, owner, options, tracks.serving))

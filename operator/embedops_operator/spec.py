@@ -488,6 +488,9 @@ class SpaceStatus(Model):
     model: str | None = Field(None, description="What the space is: the model and the settings that shape its vectors.")
     deployment: str | None = None
     url: str | None = Field(None, description="The space's own address (during a migration).")
+    gateway_path: str | None = Field(None, description=(
+        "The space's own routes on the service's gateway (during a migration, with spec.gateway): "
+        "<pathPrefix>/spaces/<key> followed by the service's paths."))
     fingerprint: str | None = Field(None, description="Its replicas' embedding-space header.")
     ready: str | None = Field(None, description="ready/desired replicas.")
     serving: bool = Field(False, description="Whether it answers at the service's address.")

@@ -638,3 +638,29 @@ def test_the_download_script_quotes_what_comes_from_the_manifest():
     assert "/models/hub/models--acme--enc.v2/snapshots/*/onnx/model.onnx" in script
     odd = spec.spec.model_copy(update={"model": spec.spec.model.model_copy(update={"id": "/odd path/m"})})
     assert "'/models/hub/models----odd path--m'/snapshots/*/" in R.download_script(odd)
+
+
+def test_each_space_has_its_own_routes_on_the_gateway_during_a_migration():
+    """Issue 36: besides its Service and LiteLLM alias, each running space answers on the service's gateway under
+    <pathPrefix>/spaces/<key>, routed to its own Service; the service's own routes are unchanged."""
+    spec = copy.deepcopy(CPU)
+    spec["gateway"] = {"parentRefs": [{"name": "gw", "namespace": "edge"}], "hostnames": ["emb.example.com"],
+                       "pathPrefix": "/emb", "allowUnauthenticated": True}
+    tracks = R.Tracks(spec="svc-bbbbbbbb", serving="svc", spaces=(("aaaaaaaa", "svc"), ("bbbbbbbb", "svc-bbbbbbbb")))
+    out = R.render(defaulted(es(spec, uid="u")), R.Options(), tracks=tracks)
+    routes = {m["metadata"]["name"]: m for m in out if m["kind"] == "HTTPRoute"}
+    assert sorted(routes) == ["svc", "svc-aaaaaaaa", "svc-bbbbbbbb"]
+    own = routes["svc"]["spec"]
+    assert {r["backendRefs"][0]["name"] for r in own["rules"]} == {"svc"}
+    space = routes["svc-bbbbbbbb"]
+    assert space["metadata"]["labels"][R.LABEL_SPACE] == "bbbbbbbb"
+    assert space["metadata"]["ownerReferences"][0]["uid"] == "u"  # pruned with the migration's end
+    assert space["spec"]["parentRefs"] == own["parentRefs"] and space["spec"]["hostnames"] == ["emb.example.com"]
+    embed = next(r for r in space["spec"]["rules"] if r["matches"][0]["path"]["value"].endswith("/embed"))
+    assert embed["matches"][0]["path"] == {"type": "Exact", "value": "/emb/spaces/bbbbbbbb/embed"}
+    assert embed["filters"] == [{"type": "URLRewrite", "urlRewrite": {"path": {"type": "ReplaceFullPath",
+                                                                               "replaceFullPath": "/embed"}}}]
+    assert {r["backendRefs"][0]["name"] for r in space["spec"]["rules"]} == {"svc-bbbbbbbb"}
+    assert R.space_gateway_path(R.parse_resource(defaulted(es(spec))).spec, "bbbbbbbb") == "/emb/spaces/bbbbbbbb"
+    # no migration: no space routes
+    assert [m["metadata"]["name"] for m in R.render(defaulted(es(spec)), R.Options()) if m["kind"] == "HTTPRoute"] == ["svc"]
