@@ -51,7 +51,8 @@ PLURALS: dict[tuple[str, str], str] = {
     render.SCALEDOBJECT: "scaledobjects",
 }
 OWNED_KINDS = [("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"), ("batch/v1", "Job"),
-               ("autoscaling/v2", "HorizontalPodAutoscaler"), render.NETWORKPOLICY, render.SERVICEMONITOR, render.HTTPROUTE, render.SCALEDOBJECT]
+               ("autoscaling/v2", "HorizontalPodAutoscaler"), render.NETWORKPOLICY,
+               render.SERVICEMONITOR, render.HTTPROUTE, render.SCALEDOBJECT]
 AGGREGATED_DISCOVERY = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList,application/json"
 VOLATILE_META = ("managedFields", "resourceVersion", "generation", "creationTimestamp", "uid", "selfLink")
 # HTTP statuses that mean the API server (or etcd behind it) is unavailable, not that a request was wrong

@@ -4,13 +4,13 @@ Kept free of kopf so it can be driven by handlers, the resync loop and tests ali
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import logging
 import os
 import threading
 import time
 from collections import defaultdict
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -199,7 +199,9 @@ class Reconciler:
         render_at = lambda pin: render.deployment(name, ns, spec, options, owner, pin, tracks.spec,  # noqa: E731
                                                   tracks.replicas)
         server = self._choose(key, options, live, render_at, observed, "server")
-        if not spec.accelerator.cpu and not spec.rollout:
+        r = spec.rollout  # a rollout the manifest fixes is applied as written
+        fixed = r is not None and (r.max_surge is not None or r.max_unavailable is not None)
+        if not spec.accelerator.cpu and not fixed:
             server = dataclasses.replace(server, give_up_first=self._surge_refused(ns, live, render_at(server)))
         activator = render.Pin()
         if render.scales_to_zero(spec, options):

@@ -868,7 +868,7 @@ def _from_namespaces(names) -> dict:
 def network_policy(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, options: Options) -> dict:
     """Ingress to the service's pods (every track's model pods and the activator: the service label) from what
     calls them, on the port each listens on; egress is left alone (the download step reaches the Hub). Peers:
-    the service's own namespace (or, with allowSameNamespace false, only its activator and reindex Jobs there),
+    the service's own namespace (or, with allowSameNamespace false, only its activator and the reindex Jobs there),
     the namespaces the manifest lists, the gateway's namespaces when the service has a route and Prometheus'
     when it has a ServiceMonitor (both from the chart), and KEDA's on the activator's admin port when it
     scales to zero. Implementations admit the node's own traffic (kubelet probes) whatever the policy says."""
@@ -879,7 +879,8 @@ def network_policy(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict |
         peers.append({"podSelector": {}})
     else:
         peers.append({"podSelector": {"matchLabels": activator_selector(name)}})
-        peers.append({"podSelector": {"matchLabels": {LABEL_SERVICE: name, LABEL_COMPONENT: "reindex"}}})
+        # reindex Jobs' pods carry the component and the space, not the service (a Job's template cannot change)
+        peers.append({"podSelector": {"matchLabels": {LABEL_COMPONENT: "reindex"}}})
     names = set(npol.from_namespaces)
     if spec.gateway:
         names |= set(options.gateway_namespaces)

@@ -74,7 +74,13 @@ def test_without_the_same_namespace_only_the_activator_and_reindex_jobs_from_it(
     (rule,) = policy(with_policy(allowSameNamespace=False, fromNamespaces=["ml"]))["spec"]["ingress"]
     activator, reindex, outside = rule["from"]
     assert activator == {"podSelector": {"matchLabels": R.activator_selector("svc")}}
-    assert reindex == {"podSelector": {"matchLabels": {R.LABEL_SERVICE: "svc", R.LABEL_COMPONENT: "reindex"}}}
+    assert reindex == {"podSelector": {"matchLabels": {R.LABEL_COMPONENT: "reindex"}}}
+    # what a reindex Job's pods carry (its template cannot change, so not the service label)
+    spec = with_policy(allowSameNamespace=False)
+    spec["migration"] = {"reindex": {"template": {"spec": {"containers": [{"name": "c", "image": "i"}]}}}}
+    job = R.reindex_job("svc", "ml", R.parse_resource(defaulted(es(spec))).spec, None,
+                        {"EMBEDOPS_SPACE": "aaaaaaaa"})
+    assert job["spec"]["template"]["metadata"]["labels"].items() >= reindex["podSelector"]["matchLabels"].items()
     assert namespaces(outside) == ["ml", "monitoring"]  # listed explicitly: the whole namespace again
 
 

@@ -101,3 +101,17 @@ def test_a_pending_pod_for_another_reason_and_an_explicit_rollout_are_left_alone
     rollout_with_a_pending_surge_pod(kube)
     rec.reconcile("ml", "svc")
     assert rolling(kube) == {"maxSurge": 1, "maxUnavailable": 0}  # what the manifest says, whatever happens
+
+    empty = copy.deepcopy(MIG)
+    empty["rollout"] = {}  # fixes nothing: still adaptive
+    kube = FakeKube()
+    kube.create_service(empty)
+    rec = Reconciler(kube, Settings(resync_seconds=3600))
+    rec.reconcile("ml", "svc")
+    spec = copy.deepcopy(empty)
+    spec["batching"] = {"maxBatchTokens": 8192}
+    kube.update_spec("svc", "ml", spec)
+    rec.reconcile("ml", "svc")
+    rollout_with_a_pending_surge_pod(kube)
+    rec.reconcile("ml", "svc", apply_children=False)
+    assert rolling(kube) == {"maxSurge": 0, "maxUnavailable": 1}
