@@ -202,7 +202,7 @@ class Reconciler:
         r = spec.rollout  # a rollout the manifest fixes is applied as written
         fixed = r is not None and (r.max_surge is not None or r.max_unavailable is not None)
         if not spec.accelerator.cpu and not fixed:
-            server = dataclasses.replace(server, give_up_first=self._surge_refused(ns, live, render_at(server)))
+            server = dataclasses.replace(server, give_up_first=self._surge_refused(ns, live, lambda: render_at(server)))
         activator = render.Pin()
         if render.scales_to_zero(spec, options):
             activator = self._choose(key, options, self._own_deployment(resource, render.activator_name(name)),
@@ -332,23 +332,26 @@ class Reconciler:
             out.append({k: v for k, v in entry.items() if v is not None})
         return out
 
-    def _surge_refused(self, namespace: str, live: dict | None, desired: dict) -> bool:
-        """Whether a GPU/MIG Deployment's rollout to `desired`'s template must give an old replica's accelerator up
-        first: it was found so before (the live annotation names this template), or the rollout is under way and a
-        pod of it waits for an accelerator (the surge pod: no spare slice in the cluster). A new template starts
-        with a surge again."""
+    def _surge_refused(self, namespace: str, live: dict | None, desired: Callable[[], dict]) -> bool:
+        """Whether a GPU/MIG Deployment's rollout to the template `desired()` renders must give an old replica's
+        accelerator up first: it was found so before (the live annotation names this template), or the rollout is
+        under way and a pod of it waits for an accelerator (the surge pod: no spare slice in the cluster). A new
+        template starts with a surge again. A Deployment at rest without the annotation (the usual case) is
+        answered without rendering."""
         if live is None:
             return False
         annotations = (live.get("metadata") or {}).get("annotations") or {}
-        template = desired["metadata"]["annotations"][render.ANNOTATION_TEMPLATE_HASH]
-        if annotations.get(render.ANNOTATION_SURGE_REFUSED) == template:
-            return True
-        if annotations.get(render.ANNOTATION_TEMPLATE_HASH) != template:
-            return False  # the rollout to this template has not started: try a surge first
         st, want = live.get("status") or {}, (live.get("spec") or {}).get("replicas") or 0
         # rolling: a surge pod beside the old ones, or old ones left (updatedReplicas counts pending pods too)
-        if (st.get("replicas") or 0) <= want and (st.get("updatedReplicas") or 0) >= want:
-            return False  # not rolling (a pod waiting for an accelerator now is a scale-up: Stalled says so)
+        rolling = (st.get("replicas") or 0) > want or (st.get("updatedReplicas") or 0) < want
+        refused = annotations.get(render.ANNOTATION_SURGE_REFUSED)
+        if not rolling and not refused:
+            return False  # (a pod waiting for an accelerator now is a scale-up: Stalled says so)
+        template = desired()["metadata"]["annotations"][render.ANNOTATION_TEMPLATE_HASH]
+        if refused == template:
+            return True
+        if not rolling or annotations.get(render.ANNOTATION_TEMPLATE_HASH) != template:
+            return False  # the rollout to this template has not started: try a surge first
         labels = (live.get("metadata") or {}).get("labels") or {}
         pods = self.kube.list("v1", "Pod", namespace, f"{render.LABEL_SERVICE}={labels.get(render.LABEL_SERVICE)}")
         track = labels.get(render.LABEL_INSTANCE)

@@ -68,10 +68,15 @@ def _unschedulable(pod: dict, now: dt.datetime) -> tuple[dict, float] | None:
     return None
 
 
+def _short_of_accelerator(cond: dict) -> bool:
+    """An Unschedulable condition whose scheduler message names an NVIDIA resource (a MIG slice or a GPU)."""
+    return "nvidia.com/" in cond.get("message", "")
+
+
 def waits_for_accelerator(pod: dict) -> bool:
     """The scheduler found no node with the pod's accelerator (MIG slice or GPU) free."""
     unsched = _unschedulable(pod, dt.datetime.now(dt.timezone.utc))
-    return unsched is not None and "nvidia.com/" in unsched[0].get("message", "")
+    return unsched is not None and _short_of_accelerator(unsched[0])
 
 
 def stall_check_in(pods: list[dict], now: dt.datetime, stall_after: float) -> float | None:
@@ -107,7 +112,7 @@ def _pod_problem(pods: list[dict], now: dt.datetime, stall_after: float,
             cond, waited = unsched
             if waited >= stall_after:
                 msg = cond.get("message", "")
-                reason = "InsufficientAccelerator" if "nvidia.com/" in msg else "Unschedulable"
+                reason = "InsufficientAccelerator" if _short_of_accelerator(cond) else "Unschedulable"
                 return reason, f"pod {pod['metadata']['name']} cannot be scheduled: {msg}"
         for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
             waiting = (cs.get("state") or {}).get("waiting") or {}
