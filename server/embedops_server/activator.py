@@ -31,7 +31,6 @@ import contextlib
 import hmac
 import logging
 import os
-import socket
 import time
 from typing import Any, Awaitable, Callable
 
@@ -40,7 +39,7 @@ import orjson
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .asgi import BodyTooLarge, read_body
+from .asgi import BodyTooLarge, listening_socket, read_body
 
 log = logging.getLogger("embedops.activator")
 
@@ -294,16 +293,6 @@ async def _respond(send: Send, status: int, headers: list[tuple[bytes, bytes]], 
     await send({"type": "http.response.start", "status": status,
                 "headers": [*headers, (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,7 @@
 """Small ASGI helpers shared by the server's middleware and the activator (both plain ASGI, no framework)."""
 from __future__ import annotations
 
+import socket
 from typing import Awaitable, Callable
 
 Receive = Callable[[], Awaitable[dict]]
@@ -41,3 +42,15 @@ def replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return receive_again
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening socket for uvicorn's `run(sockets=...)`: one server on several ports, a request told
+    apart by the port in its scope (`scope["server"]`)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock

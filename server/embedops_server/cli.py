@@ -24,6 +24,25 @@ def _opt_int(v: str) -> int | None:
     return None if v.lower() in ("", "none") else int(v)
 
 
+def _choice(*allowed: str):
+    def parse(v: str) -> str:
+        if v.lower() not in allowed:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(allowed)}, got {v!r}")
+        return v.lower()
+    parse.__name__ = "one of " + "|".join(allowed)
+    return parse
+
+
+def _ranged(typ, lo, hi):
+    def parse(v: str):
+        x = typ(v)
+        if not lo <= x <= hi:
+            raise argparse.ArgumentTypeError(f"expected {lo} to {hi}, got {v!r}")
+        return x
+    parse.__name__ = typ.__name__
+    return parse
+
+
 # (flag, type, default, help). Env var = flag without dashes, upper-snake.
 FLAGS = [
     ("--model-id", str, None, "local model folder (Hugging Face layout)"),
@@ -47,6 +66,19 @@ FLAGS = [
     ("--max-batch-requests", _opt_int, None, "maximum inputs per forward batch"),
     ("--max-concurrent-requests", int, 512, "admitted inputs in flight before answering 429"),
     ("--max-client-batch-size", int, 32, "maximum inputs per request"),
+    ("--lanes", _bool, True, "interactive and batch lanes: a query's inputs do not wait behind ingestion's "
+     "(docs/server.md#lanes); false = one FIFO queue, as TEI"),
+    ("--default-lane", _choice("auto", "interactive", "batch"), "auto", "the lane of a request whose client does "
+     "not send an `embedops-lane` header; auto = interactive for a request of at most --lane-auto-max-inputs "
+     "inputs and for /rerank, batch otherwise"),
+    ("--lane-auto-max-inputs", _ranged(int, 0, 1 << 20), 4, "largest request (inputs) that --default-lane auto "
+     "puts in the interactive lane"),
+    ("--batch-lane-share", _ranged(float, 0.01, 1.0), 0.75, "share of --max-concurrent-requests the batch lane "
+     "may hold in flight: past it batch requests get 429 while interactive ones are still admitted"),
+    ("--batch-port", _ranged(int, 0, 65535), 0, "a second port for the same API whose requests default to the "
+     "batch lane (an address for ingestion jobs: the operator's <name>-batch Service); 0 = none"),
+    ("--batch-lane-nice", _ranged(int, 0, 19), 10, "nice value of the batch lane's inference threads where the "
+     "lanes run side by side (ONNX Runtime on CPU); 0 = the same priority as queries"),
     ("--auto-truncate", _bool, True, "truncate over-long inputs when the request does not say"),
     ("--tokenization-workers", _opt_int, None, "tokenizer threads (default: CPUs - 1, at least 1)"),
     ("--num-threads", _opt_int, None, "intra-op threads for inference (default: CPUs allowed by cgroup)"),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from .backends.base import Backend, cpu_threads
 from .core.engine import Engine, EngineStats
+from .core.lanes import Lanes
 from .core.model_info import (COLBERT, DENSE, EMBEDDER, HEAD_FILES, LEXICAL, NO_TORCH, ModelError, ModelInfo,
                               load_model_info, no_onnx_without_torch, torch_installed)
 from .core.space import EmbeddingSpace, fingerprint
@@ -27,6 +28,11 @@ class Service:
     max_input_length: int
     load_seconds: float
     space: EmbeddingSpace | None = None
+    lanes: Lanes | None = None  # the engines by lane (core/lanes.py); `engine` is its interactive lane's
+
+    def __post_init__(self):
+        if self.lanes is None:
+            self.lanes = Lanes.one(self.engine)
 
 
 def _cuda_available() -> bool:
@@ -165,12 +171,28 @@ def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
     workers = s.tokenization_workers or max(1, min(64, (os.cpu_count() or 2) - 1))
     tokenizers = TokenizerPool(str(info.path / "tokenizer.json"), workers)
     backend = make_backend(s, info, tokenizers.tokenizer)
-    engine = Engine(backend, tokenizers, max_len, s.max_batch_tokens, s.max_batch_requests,
-                    s.max_concurrent_requests, stats, forward_tokens=forward_tokens(s, backend),
-                    workers=backend.parallel_forwards)
+    lanes = make_lanes(s, backend, tokenizers, max_len, stats)
+    engine = lanes.primary
     # Warm-up: a full budget on GPU (OOM shows at start, not under load); one max-length input on CPU.
     engine.warmup(s.max_batch_tokens if backend.device != "cpu" else max_len)
     graphs = getattr(backend, "_graphs", None)
     if graphs is not None:  # torch on CUDA: capture the one-query shapes now, not on the first request
         graphs.capture_small(min(max_len, 128))
-    return Service(s, info, backend, engine, tokenizers, max_len, time.perf_counter() - t0, space)
+    return Service(s, info, backend, engine, tokenizers, max_len, time.perf_counter() - t0, space, lanes)
+
+
+def make_lanes(s: Settings, backend: Backend, tokenizers: TokenizerPool, max_len: int,
+               stats: EngineStats | None) -> Lanes:
+    """The engines by lane: one per lane where the backend runs forwards side by side (ONNX Runtime on CPU),
+    else one for both, interactive inputs first (core/lanes.py); one FIFO engine with --lanes false."""
+    def make(**lane) -> Engine:
+        return Engine(backend, tokenizers, max_len, s.max_batch_tokens, s.max_batch_requests,
+                      s.max_concurrent_requests, stats, forward_tokens=forward_tokens(s, backend),
+                      workers=backend.parallel_forwards, **lane)
+
+    if not s.lanes:
+        return Lanes.one(make())
+    batch_limit = max(1, int(s.max_concurrent_requests * s.batch_lane_share))
+    if backend.concurrent_lanes:
+        return Lanes.separate_engines(make, s.max_concurrent_requests, batch_limit, s.batch_lane_nice)
+    return Lanes.one(make(), enabled=True, batch_limit=batch_limit)

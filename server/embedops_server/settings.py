@@ -20,6 +20,12 @@ class Settings:
     max_input_length: int | None = None  # None: the model's own limit; lower bounds attention memory
     max_concurrent_requests: int = 512
     max_client_batch_size: int = 32
+    lanes: bool = True  # interactive and batch lanes (core/lanes.py)
+    default_lane: str = "auto"  # auto | interactive | batch
+    lane_auto_max_inputs: int = 4
+    batch_lane_share: float = 0.75  # of max_concurrent_requests
+    batch_lane_nice: int = 10
+    batch_port: int = 0  # a second port whose requests default to the batch lane; 0: none
     auto_truncate: bool = True
     tokenization_workers: int | None = None
     num_threads: int | None = None

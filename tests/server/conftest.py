@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from embedops_server.asgi import listening_socket
 from embedops_server.router.app import create_app
 from embedops_server.router.server import DrainingServer
 from embedops_server.settings import Settings
@@ -74,7 +75,10 @@ def run_server(wait: bool = True, **kw):
     config = uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_config=None, access_log=False,
                             lifespan="on", timeout_graceful_shutdown=5)
     server = DrainingServer(config, app.fastapi.state.embedops)
-    t = threading.Thread(target=server.run, daemon=True)
+    sockets = None
+    if settings.batch_port:  # as router/server.py's serve: one server on both ports
+        sockets = [listening_socket("127.0.0.1", settings.port), listening_socket("127.0.0.1", settings.batch_port)]
+    t = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     t.start()
     url = f"http://127.0.0.1:{settings.port}"
     while not server.started:

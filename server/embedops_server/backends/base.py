@@ -27,6 +27,9 @@ class Backend:
     # With parallel_forwards > 1: a forward that starts alone runs on every core, and no other starts beside it
     # until it ends (the cores would be oversubscribed). False: a second forward may join it at once.
     wide_alone = False
+    # Two forwards may run at once from two threads, each lane's (core/lanes.py), the batch one's threads at a
+    # lower priority. False: one engine serves both lanes, the interactive inputs heading the next forward.
+    concurrent_lanes = False
 
     def bucket(self, rows: int, cols: int) -> tuple[int, int]:
         """Padded shape for a batch. CPU: exact. CUDA: a small set of shapes so captured graphs can be reused."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -94,7 +95,7 @@ class Request:
     __slots__ = (
         "future", "loop", "n", "remaining", "results", "need_tokens", "cancelled", "done",
         "t_start", "t_tokenized", "t_queue", "t_infer", "tokens", "outputs",
-        "t_batched", "t_forward", "t_forwarded", "t_done", "batch_rows", "beside",
+        "t_batched", "t_forward", "t_forwarded", "t_done", "batch_rows", "beside", "lane",
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, n: int, need_tokens: bool,
@@ -117,6 +118,7 @@ class Request:
         self.beside = False  # one of its forwards ran beside another one (parallel_forwards)
         # multi-output request (bge-m3): each result is a dict of these outputs; None: the pooled vector
         self.outputs = outputs
+        self.lane = ""  # the lane (core/lanes.py) whose engine runs it; "" without lanes
 
 
 @dataclass
@@ -128,10 +130,19 @@ class EngineStats:
 
 
 class Engine:
+    """``lane``, ``nice``, ``inline``, ``beside``: one lane of core/lanes.py (another engine shares the backend
+    and the tokenizers): its name, the nice value its threads run at (0: unchanged), whether a lone query may run
+    on the event loop, and a test of whether the other lane runs a forward now (this one's then run narrow)."""
+
     def __init__(self, backend, tokenizers: TokenizerPool, max_input_length: int, max_batch_tokens: int,
                  max_batch_requests: int | None, max_concurrent_requests: int, stats: EngineStats | None = None,
-                 forward_tokens: int | None = None, workers: int = 1):
+                 forward_tokens: int | None = None, workers: int = 1, lane: str = "", nice: int = 0,
+                 inline: bool = True, beside: Callable[[], bool] | None = None):
         self.backend = backend
+        self.lane = lane
+        self.nice = nice
+        self._beside = beside or (lambda: False)
+        self.urgent_lane = ""  # one engine for both lanes: this lane's inputs head the next batch (queue.py)
         self.tokenizers = tokenizers
         self.max_input_length = max_input_length
         self.max_concurrent = max_concurrent_requests
@@ -148,16 +159,22 @@ class Engine:
         self._throughput = 0.0  # inputs/s, exponential moving average, for Retry-After
         self._forward_s = 0.0  # seconds per forward, exponential moving average (look-ahead linger)
         self._tokenizing = 0  # inputs submitted to the tokenizers and not yet queued (guarded by _cv)
-        self.inline_tokens = getattr(backend, "inline_tokens", 0)
+        self.inline_tokens = getattr(backend, "inline_tokens", 0) if inline else 0
         self.wide_alone = self.workers > 1 and getattr(backend, "wide_alone", False)
         self._wide = False  # a forward on every core is running: no other starts (guarded by _cv)
         self._inline_s = 0.0  # seconds per forward within inline_tokens, moving average (0: none seen yet)
         self._stop = False
-        self._threads = [threading.Thread(target=self._batcher, name="batcher", daemon=True)] + [
-            threading.Thread(target=self._inference, name=f"inference-{i}" if i else "inference", daemon=True)
+        suffix = f"-{lane}" if lane else ""
+        self._threads = [threading.Thread(target=self._batcher, name="batcher" + suffix, daemon=True)] + [
+            threading.Thread(target=self._inference, name=(f"inference-{i}" if i else "inference") + suffix,
+                             daemon=True)
             for i in range(self.workers)]
         for t in self._threads:
             t.start()
+
+    def running(self) -> bool:
+        """Does a forward of this engine run now (read without the lock: a hint for the other lane)?"""
+        return self._running > 0
 
     # ---- event-loop side -------------------------------------------------------------------
     def admit(self, n: int) -> None:
@@ -173,14 +190,17 @@ class Engine:
         return max(1, min(60, math.ceil(self.in_flight / rate)))
 
     def submit(self, texts: Sequence, truncate: bool, direction: str, need_tokens: bool = False,
-               outputs: Sequence[str] | None = None, alone: bool = True) -> Request:
+               outputs: Sequence[str] | None = None, alone: bool = True, lane: str = "") -> Request:
         """Queue admitted inputs; await `request.future`. Caller must have called admit(len(texts)).
         ``outputs``: a multi-output request (any of "dense", "sparse", "colbert", which the backend's model must
         have); each result is then a dict of those, all from one forward. ``alone``: the caller knows of no other
-        request waiting to be submitted (False keeps this one's forward off the event loop)."""
+        request waiting to be submitted (False keeps this one's forward off the event loop). ``lane``: the lane of
+        the request where one engine serves both (its inputs head the next batch when it is `urgent_lane`)."""
         loop = asyncio.get_running_loop()
         loop_thread = threading.get_ident()
         req = Request(loop, len(texts), need_tokens, tuple(outputs) if outputs else None)
+        req.lane = lane or self.lane
+        urgent = bool(self.urgent_lane) and req.lane == self.urgent_lane
         n = len(texts)
         with self._cv:
             self._tokenizing += n
@@ -196,7 +216,7 @@ class Engine:
                 return
             entries = []
             for i, (ids, tids) in enumerate(encs):
-                entries.append(Entry(req, i, ids, tids))
+                entries.append(Entry(req, i, ids, tids, urgent))
                 req.tokens += len(ids)
                 self.stats.on_input_length(len(ids))
             if alone and threading.get_ident() == loop_thread and self._run_inline(entries):
@@ -215,7 +235,7 @@ class Engine:
         if rows * cols > self.inline_tokens:
             return False
         with self._cv:
-            if self._running or self._slot is not None or len(self.queue) or self._stop:
+            if self._running or self._slot is not None or len(self.queue) or self._stop or self._beside():
                 return False
             self._running += 1  # the inference threads leave the engine to us until _forward_done
             self._wide = self.wide_alone  # its session spins on every core
@@ -239,6 +259,7 @@ class Engine:
 
     # ---- batcher thread ----------------------------------------------------------------------
     def _batcher(self) -> None:
+        lower_priority(self.nice)
         cv, q = self._cv, self.queue
         while True:
             with cv:
@@ -308,7 +329,7 @@ class Engine:
 
     def _parallel(self) -> bool:
         """Caller holds cv and has counted its forward: will another forward run beside it?"""
-        return self.workers > 1 and (self._running > 1 or len(self.queue) > 0)
+        return self.workers > 1 and (self._running > 1 or len(self.queue) > 0 or self._beside())
 
     def _forward_done(self) -> None:
         with self._cv:
@@ -352,6 +373,7 @@ class Engine:
 
     # ---- inference thread --------------------------------------------------------------------
     def _inference(self) -> None:
+        lower_priority(self.nice)
         while True:
             item = self._next()
             if item is None:
@@ -432,11 +454,25 @@ class Engine:
                      small.input_ids.size, self._inline_s * 1000,
                      "" if self._inline_s < INLINE_MAX_S else " (no: over the limit)")
 
-    def close(self) -> None:
+    def close(self, tokenizers: bool = True) -> None:
+        """Stop the threads; ``tokenizers``: the tokenizer pool too (False: another lane still uses it)."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
-        self.tokenizers.close()
+        if tokenizers:
+            self.tokenizers.close()
+
+
+def lower_priority(nice: int) -> None:
+    """Run the calling thread at `nice` (Linux: a nice value is per thread). Raising it needs no privilege;
+    lowering it again would (CAP_SYS_NICE), so a thread lowered here keeps that priority for life."""
+    if nice <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+    except (AttributeError, OSError) as exc:  # not Linux, or refused: the lane still orders work, unweighted
+        log.warning("cannot lower the priority of thread %s: %s", threading.current_thread().name, exc)
 
 
 def _filler(rows: int, length: int) -> Batch:

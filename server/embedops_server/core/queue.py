@@ -3,6 +3,10 @@
 Cost of a padded batch = longest length x count (what a padded backend actually computes). The oldest entry
 always goes into the next batch, so grouping by length can never starve a long (or short) input; its batch
 mates are the queued entries closest to it in length, added while the padding stays cheap.
+
+Urgent entries (the interactive lane's, when one engine serves both lanes: core/lanes.py) head the next batch
+before older ones; after URGENT_RUN batches headed by urgent entries in a row while other work waited, the
+oldest other entry heads one, so the batch lane keeps at least 1 forward in URGENT_RUN + 1.
 """
 from __future__ import annotations
 
@@ -16,13 +20,15 @@ from typing import Any, Callable
 SMALL_BATCH_TOKENS = 512
 # Otherwise an entry joins only if the batch stays at least this efficient (real / padded tokens).
 MIN_EFFICIENCY = 0.8
+URGENT_RUN = 4
 
 
 class Entry:
-    __slots__ = ("request", "index", "ids", "type_ids", "length", "seq", "taken")
+    __slots__ = ("request", "index", "ids", "type_ids", "length", "seq", "taken", "urgent")
 
-    def __init__(self, request: Any, index: int, ids: list[int], type_ids: list[int]):
+    def __init__(self, request: Any, index: int, ids: list[int], type_ids: list[int], urgent: bool = False):
         self.request = request
+        self.urgent = urgent
         self.index = index
         self.ids = ids
         self.type_ids = type_ids
@@ -41,12 +47,20 @@ class BatchQueue:
         self.forward_tokens = min(max_batch_tokens, forward_tokens or max_batch_tokens)
         self.max_batch_requests = max_batch_requests or 1 << 30
         self._fifo: deque[Entry] = deque()  # arrival order (taken entries are removed lazily)
+        self._urgent: deque[Entry] = deque()  # the urgent ones among them, in arrival order (the same laziness)
+        self._urgent_run = 0  # batches headed by an urgent entry in a row while other entries waited
+        self._urgent_waiting = 0  # urgent entries queued and not taken
         self._by_len: list[tuple[int, int, Entry]] = []  # sorted by (length, seq)
         self._count = itertools.count()
         self.cv = threading.Condition()
 
     def __len__(self) -> int:
         return len(self._by_len)
+
+    @property
+    def urgent_waiting(self) -> int:
+        """Urgent entries queued and not yet taken (read without the lock: for metrics)."""
+        return self._urgent_waiting
 
     def put_many(self, entries: list[Entry], wake: Callable[[], bool] | None = None) -> None:
         """Queue `entries`; wake the threads waiting on `cv` unless `wake` (called under `cv`) says none of
@@ -55,6 +69,9 @@ class BatchQueue:
             for e in entries:
                 e.seq = next(self._count)
                 self._fifo.append(e)
+                if e.urgent:
+                    self._urgent.append(e)
+                    self._urgent_waiting += 1
                 bisect.insort(self._by_len, (e.length, e.seq, e))
             if wake is None or wake():
                 self.cv.notify_all()
@@ -71,9 +88,7 @@ class BatchQueue:
         dropped = self._purge_cancelled()
         if not self._by_len:
             return [], dropped
-        while self._fifo[0].taken:
-            self._fifo.popleft()
-        head = self._fifo[0]
+        head = self._head()
         pos = bisect.bisect_left(self._by_len, (head.length, head.seq))
         lo, hi = pos, pos + 1  # window [lo, hi) of the length-sorted list
         max_len, real, n = head.length, head.length, 1
@@ -105,9 +120,31 @@ class BatchQueue:
         batch = [t[2] for t in sl[lo:hi]]
         del sl[lo:hi]
         for e in batch:
-            e.taken = True
+            self._take(e)
         batch.sort(key=lambda e: e.seq)
         return batch, dropped
+
+    def _head(self) -> Entry:
+        """The entry the next batch is formed around; the caller holds `cv` and the queue is not empty."""
+        while self._fifo[0].taken:
+            self._fifo.popleft()
+        while self._urgent and self._urgent[0].taken:
+            self._urgent.popleft()
+        oldest = self._fifo[0]
+        others = len(self._by_len) - self._urgent_waiting  # entries of the other lane waiting
+        if not self._urgent or not others:
+            self._urgent_run = 0
+            return oldest
+        if self._urgent_run < URGENT_RUN:
+            self._urgent_run += 1
+            return self._urgent[0]
+        self._urgent_run = 0  # the other lane's turn: its oldest entry
+        return oldest if not oldest.urgent else next(e for e in self._fifo if not e.taken and not e.urgent)
+
+    def _take(self, e: Entry) -> None:
+        e.taken = True
+        if e.urgent:
+            self._urgent_waiting -= 1
 
     def top_up(self, batch: list[Entry]) -> tuple[list[Entry], list[Entry]]:
         """Entries that arrived after `batch` was formed and still fit it (oldest first); caller holds `cv`.
@@ -119,7 +156,7 @@ class BatchQueue:
         max_len = max(e.length for e in batch)
         real, n = sum(e.length for e in batch), len(batch)
         extra: list[Entry] = []
-        for e in self._fifo:
+        for e in itertools.chain(self._urgent, self._fifo):
             if n >= self.max_batch_requests:
                 break
             if e.taken:
@@ -130,9 +167,9 @@ class BatchQueue:
                     padded > SMALL_BATCH_TOKENS and (real + e.length) / padded < MIN_EFFICIENCY):
                 continue  # it heads a later batch instead
             extra.append(e)
+            self._take(e)  # (an urgent entry is met twice: in _urgent and in _fifo)
             max_len, real, n = new_max, real + e.length, n + 1
         for e in extra:
-            e.taken = True
             del self._by_len[bisect.bisect_left(self._by_len, (e.length, e.seq))]
         return extra, dropped
 
@@ -142,5 +179,5 @@ class BatchQueue:
         dropped = [t[2] for t in self._by_len if t[2].request.cancelled]
         self._by_len = [t for t in self._by_len if not t[2].request.cancelled]
         for e in dropped:
-            e.taken = True
+            self._take(e)
         return dropped

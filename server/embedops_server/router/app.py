@@ -73,7 +73,7 @@ def create_app(settings: Settings, service=None,
         if task is not None and not task.done():
             task.cancel()
         if st.service is not None:
-            st.service.engine.close()
+            st.service.lanes.close()
 
     app = FastAPI(title="embedops-server", version=__version__, lifespan=lifespan,
                   description="TEI-compatible embeddings, rerank, sparse and classification server")
@@ -88,7 +88,7 @@ def create_app(settings: Settings, service=None,
              response_class=Response, responses={200: {"description": "Healthy (empty body)"},
                                                  **errors.responses(503)})
     async def health(request: Request):
-        if st.service is None or st.draining or not st.service.engine.healthy():
+        if st.service is None or st.draining or not st.service.lanes.healthy():
             msg = st.load_error or ("shutting down" if st.draining else "unhealthy")
             return error_response(request.url.path, 503, "Unhealthy", msg)
         return Response(status_code=200)
@@ -116,8 +116,10 @@ def create_app(settings: Settings, service=None,
                               "content": {METRICS_TYPE: {"schema": {"type": "string"}}}}})
     async def metrics():
         if st.service is not None:
-            st.metrics.queue_size.set(len(st.service.engine.queue))
-            st.metrics.in_flight.set(st.service.engine.in_flight)
+            lanes = st.service.lanes
+            st.metrics.queue_size.set(lanes.queued())
+            st.metrics.in_flight.set(lanes.in_flight)
+            st.metrics.update_lanes(lanes)
             st.metrics.update_gpu(st.service.backend.memory_stats())
         return Response(st.metrics.render(), media_type=METRICS_TYPE + "; charset=utf-8")
 
@@ -144,6 +146,10 @@ def create_app(settings: Settings, service=None,
             "max_batch_tokens": s.max_batch_tokens, "max_batch_requests": s.max_batch_requests,
             "max_forward_tokens": svc.engine.queue.forward_tokens,
             "parallel_forwards": svc.engine.workers,
+            # core/lanes.py: separate = an engine per lane (the batch one's threads at batch_lane_nice)
+            "lanes": {"enabled": svc.lanes.enabled, "separate": svc.lanes.separate, "default": s.default_lane,
+                      "auto_max_inputs": s.lane_auto_max_inputs, "batch_limit": svc.lanes.batch_limit,
+                      "batch_nice": s.batch_lane_nice if svc.lanes.separate else 0},
             "max_client_batch_size": s.max_client_batch_size, "auto_truncate": s.auto_truncate,
             "tokenization_workers": svc.tokenizers.workers, "version": __version__, "sha": None,
             # the embedding space the vectors belong to (core/space.py): the `embedding-space` header's value

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
+from ..core.lanes import LANES
 from prometheus_client import CollectorRegistry, disable_created_metrics, Gauge, Histogram, generate_latest
 
 disable_created_metrics()  # TEI exports no *_created series
@@ -101,11 +102,39 @@ class Metrics:
         self.in_flight = Gauge("te_in_flight_inputs", "Admitted inputs not yet answered (embedops addition)",
                                registry=r)
 
+        # Per lane (core/lanes.py): the te_* series above are totals, as in TEI (a query over them keeps working)
+        self.c.declare("embedops_lane_requests", "Requests answered, by lane (embedops addition)",
+                       ("lane",))
+        self.c.declare("embedops_lane_overloaded",
+                       "Requests refused with 429 by lane: the batch lane is refused first (embedops addition)",
+                       ("lane",))
+        for lane in LANES:
+            self.c.zero("embedops_lane_requests", lane=lane)
+            self.c.zero("embedops_lane_overloaded", lane=lane)
+        self.lane_duration = Histogram("embedops_lane_request_duration",
+                                       "Time from a request's submission to the engine to its answer (s), by "
+                                       "lane (embedops addition)", ["lane"], registry=r, buckets=DURATION_BUCKETS)
+        self.lane_queue = Gauge("embedops_lane_queue_size", "Inputs waiting in a lane's queue (embedops addition)",
+                                ["lane"], registry=r)
+        self.lane_in_flight = Gauge("embedops_lane_in_flight_inputs",
+                                    "Admitted inputs not yet answered, by lane (embedops addition)", ["lane"],
+                                    registry=r)
+        for lane in LANES:
+            self.lane_duration.labels(lane=lane)
+            self.lane_queue.labels(lane=lane).set(0)
+            self.lane_in_flight.labels(lane=lane).set(0)
+
         # Only exported when the backend runs on a GPU (torch on CUDA): set from the backend on each scrape.
         self.gpu_memory = Gauge("embedops_gpu_memory_bytes",
                                 "GPU memory of this process by kind: allocated (tensors now), reserved (the "
                                 "caching allocator's pool), max_allocated (peak since start) (embedops addition)",
                                 ["kind"], registry=r)
+
+    def update_lanes(self, lanes) -> None:
+        """Per-lane gauges at scrape time (lanes off: every queued input counts as batch)."""
+        for lane in LANES:
+            self.lane_queue.labels(lane=lane).set(lanes.queued(lane))
+            self.lane_in_flight.labels(lane=lane).set(lanes.in_flight_of(lane))
 
     def update_gpu(self, stats: dict | None) -> None:
         if not stats:

@@ -79,7 +79,8 @@ async def cohere_rerank(request: Request, body: CohereRerankRequest):
     st.refuse_empty("query", [body.query])
     st.refuse_empty("documents", docs)
     st.check_batch(len(docs))
-    results, req = await st.run(request, svc, [(body.query, d) for d in docs], st.truncate(body.truncate), "right")
+    results, req = await st.run(request, svc, [(body.query, d) for d in docs], st.truncate(body.truncate), "right",
+                                query=True)
     s = scoring.scores(np.stack(results), False)[:, 0]
     order = np.argsort(-s, kind="stable")[: body.top_n or len(docs)]
     out = []

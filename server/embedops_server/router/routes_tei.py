@@ -111,7 +111,8 @@ async def rerank(request: Request, body: RerankRequest):
     st.refuse_empty("texts", body.texts)
     st.check_batch(len(body.texts))
     pairs = [(body.query, t) for t in body.texts]
-    results, req = await st.run(request, svc, pairs, st.truncate(body.truncate), body.truncation_direction)
+    results, req = await st.run(request, svc, pairs, st.truncate(body.truncate), body.truncation_direction,
+                                query=True)
     s = scoring.scores(np.stack(results), body.raw_scores)[:, 0]
     if np.isnan(s).any():
         raise ApiError(BACKEND, "score is NaN")

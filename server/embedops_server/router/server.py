@@ -10,6 +10,7 @@ import time
 
 import uvicorn
 
+from ..asgi import listening_socket
 from ..core.model_info import ModelError
 from ..settings import Settings
 from .app import create_app
@@ -88,7 +89,11 @@ def serve(settings: Settings) -> None:
         backlog=max(2048, settings.max_concurrent_requests * 2), timeout_keep_alive=30,
     )
     server = DrainingServer(config, app.fastapi.state.embedops)
-    server.run()
+    if settings.batch_port:  # the batch lane's own address: one server, two ports (AppState.lane)
+        server.run(sockets=[listening_socket(settings.hostname, settings.port),
+                            listening_socket(settings.hostname, settings.batch_port)])
+    else:
+        server.run()
     if failed:
         e = failed[0]
         write_termination_message(f"model loading failed: {e}" if isinstance(e, ModelError)

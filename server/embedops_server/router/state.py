@@ -7,13 +7,19 @@ from typing import Sequence
 
 from fastapi import Request
 
-from ..core.errors import BACKEND, EMPTY, UNHEALTHY, VALIDATION
+from ..core.errors import BACKEND, EMPTY, OVERLOADED, UNHEALTHY, VALIDATION, EngineError
+from ..core.lanes import BATCH, choose_lane
 from ..core.model_info import EMBEDDER
 from ..service import Service
 from ..settings import Settings
 from .errors import INPUTS_KEY, ApiError, count_request
 from .timing import ENGINE_REQUEST_KEY
 from .metrics import Metrics
+
+# The client's word on a request's lane (core/lanes.py): "interactive" or "batch". A header, so that a client
+# sets it without touching bodies: the OpenAI SDK per call (extra_headers) or per client (default_headers),
+# LiteLLM per model (litellm_params.extra_headers) or per call.
+LANE_HEADER = "embedops-lane"
 
 
 class AppState:
@@ -112,16 +118,37 @@ class AppState:
         if n > limit:
             raise ApiError(VALIDATION, f"batch size {n} > maximum allowed batch size {limit}")
 
+    def lane(self, request: Request, n: int, query: bool) -> str:
+        """The header's lane, else batch on --batch-port, else the service's default (core/lanes.py)."""
+        s = self.settings
+        default = s.default_lane
+        server = request.scope.get("server")
+        if s.batch_port and server and server[1] == s.batch_port:
+            default = BATCH
+        try:
+            return choose_lane(request.headers.get(LANE_HEADER), n, default, s.lane_auto_max_inputs, query)
+        except EngineError as exc:
+            raise ApiError(VALIDATION, f"{exc.message} (header {LANE_HEADER})") from None
+
     async def run(self, request: Request, svc: Service, texts: Sequence, truncate: bool, direction: str,
-                  need_tokens: bool = False, outputs: Sequence[str] | None = None):
+                  need_tokens: bool = False, outputs: Sequence[str] | None = None, query: bool = False):
         """Admit, queue and await inputs; drop them if the client goes away. Returns (results, engine request).
-        ``outputs``: a multi-output (bge-m3) request, see Engine.submit; each result is then a dict of them."""
-        engine = svc.engine
+        ``outputs``: a multi-output (bge-m3) request, see Engine.submit; each result is then a dict of them.
+        ``query``: the inputs answer one question (a rerank's candidates): interactive under --default-lane auto."""
+        lanes = svc.lanes
         n = len(texts)
         request.scope[INPUTS_KEY] = n
-        engine.admit(n)  # raises Overloaded (429 + Retry-After) at once
+        lane = self.lane(request, n, query)
+        engine = lanes.engine(lane)
         try:
-            req = engine.submit(texts, truncate, direction.lower(), need_tokens, outputs, alone=self.alone())
+            lanes.admit(lane, n)  # raises Overloaded (429 + Retry-After) at once
+        except EngineError as exc:
+            if exc.kind == OVERLOADED:
+                self.metrics.c.inc("embedops_lane_overloaded", lane=lane)
+            raise
+        try:
+            req = engine.submit(texts, truncate, direction.lower(), need_tokens, outputs, alone=self.alone(),
+                                lane=lane)
             request.scope[ENGINE_REQUEST_KEY] = req
             fut = req.future
             if not fut.done():  # (a lone query run on the event loop is answered already)
@@ -136,9 +163,13 @@ class AppState:
                 self.metrics.c.inc("te_request_failure", err="dropped")
                 count_request(self, request)  # a 499 is not recorded by the error handler
                 raise ApiError("ClientClosedRequest", "client disconnected")
-            return fut.result(), req
+            results = fut.result()
+            self.metrics.c.inc("embedops_lane_requests", lane=lane)
+            self.metrics.lane_duration.labels(lane=lane).observe(
+                max(0.0, (req.t_done or time.perf_counter()) - req.t_start))
+            return results, req
         finally:
-            engine.release(n)
+            lanes.release(lane, n)
 
     def headers(self, req, t_start: float) -> dict[str, str]:
         n = max(1, req.n)
@@ -152,6 +183,7 @@ class AppState:
             "x-queue-time": f"{req.t_queue * 1000 / n:.3f}",
             "x-inference-time": f"{req.t_infer * 1000 / n:.3f}",
             "x-compute-tokens": str(req.tokens),
+            LANE_HEADER: req.lane,
         }
 
 
