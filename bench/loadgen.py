@@ -37,6 +37,7 @@ class Sample:
     n_tokens: int
     error: str = ""
     server_ms: dict | None = None  # TEI timing headers (x-total-time, x-queue-time ...), when sent
+    retry_after: float = 0.0  # a 429's Retry-After, seconds
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -197,7 +198,13 @@ async def _send(session: aiohttp.ClientSession, url: str, req: Request,
                         pass
                 if "server-timing" in r.headers:
                     sm.update(parse_server_timing(r.headers["server-timing"]))
-            return Sample(t0, lat, ok, r.status, req.n_texts, req.n_tokens, err, sm)
+            wait = 0.0
+            if r.status == 429:
+                try:
+                    wait = float(r.headers.get("retry-after", "0"))
+                except ValueError:
+                    pass
+            return Sample(t0, lat, ok, r.status, req.n_texts, req.n_tokens, err, sm, wait)
     except asyncio.CancelledError:
         return Sample(t0, time.perf_counter() - t0, False, 0, req.n_texts, req.n_tokens, "cancelled")
     except Exception as e:
@@ -218,6 +225,7 @@ async def run_load(
     request_timeout_s: float = 60.0,
     drain_s: float = 30.0,
     seed: int = 0,
+    honor_retry_after: bool = False,
 ) -> tuple[list[Sample], float]:
     """Send ``requests`` (cycled) to ``url``.
 
@@ -225,6 +233,8 @@ async def run_load(
     previous one returns. Open loop otherwise: Poisson arrivals at ``rate`` requests/s, at most
     ``concurrency`` in flight (arrivals beyond that wait, and their queueing time counts in latency).
     ``warmup`` requests are sent first (closed loop, same concurrency) and not recorded.
+    ``honor_retry_after`` (closed loop): a worker answered 429 waits its Retry-After before its next request, as
+    the OpenAI SDK and other well-behaved clients do (the 429 still counts as an error).
     Returns the samples and the measured wall time.
     """
     check_loopback(url)
@@ -252,8 +262,10 @@ async def run_load(
                 for i in counter:
                     if time.perf_counter() >= deadline:
                         return
-                    samples.append(await _send(session, url, requests[i % len(requests)], check,
-                                               request_timeout_s))
+                    sample = await _send(session, url, requests[i % len(requests)], check, request_timeout_s)
+                    samples.append(sample)
+                    if honor_retry_after and sample.retry_after:
+                        await asyncio.sleep(min(sample.retry_after, max(0.0, deadline - time.perf_counter())))
 
             tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
         else:
