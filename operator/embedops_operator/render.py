@@ -20,6 +20,7 @@ from .spec import API_VERSION, EmbeddingServiceSpec, GFD_PRODUCT, KIND, ModelSpe
 
 MANAGER = "embedops"
 SERVER_PORT = 8080
+BATCH_PORT = 8081  # the server's --batch-port (spec.lanes.batchService): the same API, batch lane by default
 GRACE_MARGIN = 30  # seconds of the grace period left for the server to finish after the preStop sleep
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_NAME = "app.kubernetes.io/name"
@@ -123,6 +124,7 @@ TEMPLATE_REVISIONS = {
     1: "the prepare step gets no API key; containers request ephemeral storage for their emptyDir volumes; the "
        "download step quotes the model's cache path",
     2: "the server retires keep-alive connections older than spec.service.maxConnectionAgeSeconds",
+    3: "spec.lanes: the server's lane flags, and its batch port for lanes.batchService",
 }
 TEMPLATE_REVISION = max(TEMPLATE_REVISIONS)
 ANNOTATION_TEMPLATE_REVISION = "embedops.dev/template-revision"
@@ -251,6 +253,8 @@ def endpoints(name: str, namespace: str, spec: EmbeddingServiceSpec, options: Op
         out["openai"] = base + "/v1"
     if task == "rerank":
         out["rerank"] = base + "/rerank"
+    if spec.lanes is not None and spec.lanes.batch_service:
+        out["batch"] = service_url(batch_service_name(name), namespace, spec, options)
     if spec.gateway and spec.gateway.hostnames:
         out["external"] = f"https://{spec.gateway.hostnames[0]}{spec.gateway.path_prefix}"
     return out
@@ -316,6 +320,11 @@ def _node_selector(spec: EmbeddingServiceSpec) -> dict[str, str]:
     return dict(sorted(sel.items()))
 
 
+def batch_port(spec: EmbeddingServiceSpec, revision: int = TEMPLATE_REVISION) -> bool:
+    """Does the server listen on BATCH_PORT (the <name>-batch Service's target)?"""
+    return revision >= 3 and spec.lanes is not None and spec.lanes.batch_service
+
+
 def _args(spec: EmbeddingServiceSpec, revision: int = TEMPLATE_REVISION) -> list[str]:
     m, b = spec.model, spec.batching
     args = ["--model-id", m.id]
@@ -341,6 +350,14 @@ def _args(spec: EmbeddingServiceSpec, revision: int = TEMPLATE_REVISION) -> list
     if revision >= 2 and spec.service.max_connection_age_seconds:
         # clients that keep connections open follow the Service's selector (a promoted space, new replicas)
         args += ["--max-connection-age", str(spec.service.max_connection_age_seconds)]
+    lanes = spec.lanes
+    if revision >= 3 and lanes is not None:  # unset: the server's defaults (lanes on, auto)
+        if not lanes.enabled:
+            args += ["--lanes", "false"]
+        if lanes.default != "auto":
+            args += ["--default-lane", lanes.default]
+        if batch_port(spec, revision):
+            args += ["--batch-port", str(BATCH_PORT)]
     if m.pooling:
         args += ["--pooling", m.pooling]
     if m.prompts and m.prompts.default_prompt_name:
@@ -485,7 +502,8 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: P
         "command": ["embedops-server"],
         "args": _args(spec, revision),
         "env": _env(spec, cache_dir),
-        "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}] + (
+            [{"name": "batch", "containerPort": BATCH_PORT, "protocol": "TCP"}] if batch_port(spec, revision) else []),
         "resources": _resources(spec),
         "startupProbe": _probe(period=5, failures=120),  # up to 10 minutes to load weights
         "readinessProbe": _probe(period=5, failures=2),
@@ -672,6 +690,24 @@ def service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, 
             "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner),
             "spec": {"type": spec.service.type, "selector": selector_labels(serving or name),
                      "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http",
+                                "protocol": "TCP", "appProtocol": "http"}]}}
+
+
+def batch_service_name(name: str) -> str:
+    return f"{name}-batch"
+
+
+def batch_service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None,
+                  serving: str | None = None) -> dict:
+    """The batch lane's address `<name>-batch` (spec.lanes.batchService): the serving track's pods, as the
+    service's own Service selects them (one embedding space behind both addresses, through a promotion too), on
+    their batch port, where requests default to the batch lane. Its instance label is its own, so the
+    ServiceMonitor (which selects the service's Service) does not scrape a pod twice."""
+    svc_name = batch_service_name(name)
+    labels = {**common_labels(name, detect_task(spec.model)), LABEL_INSTANCE: svc_name}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(svc_name, ns, labels, owner),
+            "spec": {"type": "ClusterIP", "selector": selector_labels(serving or name),
+                     "ports": [{"name": "http", "port": spec.service.port, "targetPort": "batch",
                                 "protocol": "TCP", "appProtocol": "http"}]}}
 
 
@@ -891,7 +927,10 @@ def network_policy(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict |
     if names:
         peers.append(_from_namespaces(names))
     # the model server and the activator both serve the API on SERVER_PORT (== ACTIVATOR_PORT), and /metrics there
-    rules: list[dict] = [{"from": peers, "ports": [{"protocol": "TCP", "port": SERVER_PORT}]}]
+    ports = [{"protocol": "TCP", "port": SERVER_PORT}]
+    if spec.lanes is not None and spec.lanes.batch_service:  # the batch lane's address (lanes.batchService)
+        ports.append({"protocol": "TCP", "port": BATCH_PORT})
+    rules: list[dict] = [{"from": peers, "ports": ports}]
     a = spec.autoscaling
     if a is not None and a.min_replicas == 0 and options.keda_namespaces:
         rules.append({"from": [_from_namespaces(options.keda_namespaces)],
@@ -968,6 +1007,9 @@ def scaled_object(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | 
     assert a is not None
     to_zero = scales_to_zero(spec, options)
     query = f'sum(te_queue_size{{namespace="{ns}",service="{name}"}})'
+    if spec.lanes is not None and spec.lanes.enabled and spec.lanes.scale_on == "interactive":
+        # a backlog of ingestion is the batch lane's own business: replicas follow the queries' queue
+        query = f'sum(embedops_lane_queue_size{{namespace="{ns}",service="{name}",lane="interactive"}})'
     triggers: list[dict] = [{"type": "prometheus", "metadata": {
         "serverAddress": a.prometheus_address, "query": query,
         "threshold": str(a.target_queue_depth), "ignoreNullValues": "true"}}]
@@ -1101,6 +1143,8 @@ def render(resource: dict, options: Options | None = None, pins: Pins | None = N
                 activator_service(name, ns, spec, owner)]
     else:
         out.append(service(name, ns, spec, owner, tracks.serving))
+    if spec.lanes is not None and spec.lanes.batch_service and not to_zero:  # (CEL refuses it with to_zero)
+        out.append(batch_service(name, ns, spec, owner, tracks.serving))
     out += [space_service(name, ns, spec, owner, key, track) for key, track in tracks.spaces]
     if tracks.reindex is not None and spec.migration.reindex is not None:
         out.append(reindex_job(name, ns, spec, owner, dict(tracks.reindex)))

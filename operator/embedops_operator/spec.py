@@ -385,6 +385,23 @@ class NetworkPolicy(Model):
         "Jobs there."))
 
 
+class Lanes(Model):
+    """The server's interactive and batch lanes (docs/server.md#lanes): a query's inputs do not wait behind an
+    ingestion job's. A client names its lane with the `embedops-lane` header; this sets the rest."""
+    enabled: bool = Field(True, description="false: one FIFO queue for every request (TEI's behaviour).")
+    default: Literal["auto", "interactive", "batch"] = Field("auto", description=(
+        "The lane of a request without the header. auto: interactive for a request of at most 4 inputs and for "
+        "every rerank, batch for larger requests."))
+    batch_service: bool = Field(False, description=(
+        "A second Service, <name>-batch, on the same pods and embedding space (it follows a promotion as the "
+        "service's own does): its requests default to the batch lane. The address for ingestion jobs; queries "
+        "keep the service's. Not with autoscaling.minReplicas 0 (the activator holds the service's own address "
+        "only)."))
+    scale_on: Literal["interactive", "all"] = Field("interactive", description=(
+        "KEDA's queue metric: the interactive lane's queue (a backlog of ingestion does not add replicas), or "
+        "every queued input (all). The HPA provider keeps te_queue_size (all)."))
+
+
 class LocalObjectReference(Model):
     name: str
 
@@ -404,6 +421,10 @@ class EmbeddingServiceSpec(Model):
                 "model.quantize int8 needs model.dtype float32 (or unset)"),
             cel("!has(self.autoscaling) || self.autoscaling.minReplicas > 0 || self.autoscaling.provider != 'hpa'",
                 "autoscaling.minReplicas 0 (scale to zero) needs provider keda or auto"),
+            cel("!has(self.lanes) || !has(self.lanes.batchService) || !self.lanes.batchService || "
+                "!has(self.autoscaling) || self.autoscaling.minReplicas > 0",
+                "lanes.batchService needs autoscaling.minReplicas of at least 1: scaled to zero, only the "
+                "service's own address (the activator) wakes it", reason="FieldValueForbidden"),
             cel("!has(self.gateway) || has(self.apiKeySecretRef) || "
                 "(has(self.gateway.allowUnauthenticated) && self.gateway.allowUnauthenticated)",
                 "gateway publishes the model without an API key: set apiKeySecretRef, or "
@@ -422,6 +443,9 @@ class EmbeddingServiceSpec(Model):
     api_key_secret_ref: SecretKeyRef | None = Field(None, description="Secret key holding the API key (env API_KEY).")
     network_policy: NetworkPolicy | None = Field(None, description=(
         "An ingress NetworkPolicy for the service's pods (opt-in): only the namespaces it admits reach them."))
+    lanes: Lanes | None = Field(None, description=(
+        "The server's interactive and batch lanes (on by default in the server; set this to change them or to "
+        "give the batch lane its own address)."))
     drain_seconds: int = Field(15, ge=0, le=600, description="preStop delay that lets in-flight requests finish.")
     rollout: Rollout | None = None
     migration: Migration = Field(default_factory=Migration, json_schema_extra={"default": {}}, description=(
@@ -456,6 +480,7 @@ class Endpoints(Model):
     service: str | None = Field(None, description="In-cluster base URL.")
     openai: str | None = Field(None, description="OpenAI-compatible base URL (…/v1).")
     rerank: str | None = None
+    batch: str | None = Field(None, description="The batch lane's address (lanes.batchService).")
     external: str | None = None
 
 

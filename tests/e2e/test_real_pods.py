@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -159,6 +160,7 @@ def service_url(name: str, ns: str) -> str:
 
 def test_example_runs_as_a_real_pod_of_the_local_image(kube, api, real, ns, svc):
     doc = on_real_node(example(), real)
+    doc["spec"]["lanes"] = {"batchService": True}  # the batch lane's own address, read by the next test
     prerequisites(kube, ns, [doc], host_path=real.models_hostpath)
     svc.create(doc)
     name = doc["metadata"]["name"]
@@ -189,6 +191,9 @@ def test_example_runs_as_a_real_pod_of_the_local_image(kube, api, real, ns, svc)
 def test_in_cluster_client_gets_sentence_transformers_vectors(kube, real, ns, svc):
     name = "minilm-ingest"
     base = service_url(name, ns)
+    # the batch lane's address first (spec.lanes.batchService): the same pod, requests there in the batch lane
+    (batch,) = run_client(svc.core, ns, "client-embed-batch", real.server_image, service_url(f"{name}-batch", ns),
+                          [["/embed", {"inputs": TEXTS}]], real.node_selector)
     answers = run_client(svc.core, ns, "client-embed", real.server_image, base, [
         ["/v1/embeddings", {"model": "all-MiniLM-L6-v2", "input": TEXTS}],
         ["/embed", {"inputs": TEXTS}],
@@ -206,6 +211,11 @@ def test_in_cluster_client_gets_sentence_transformers_vectors(kube, real, ns, sv
     # /metrics scraped from inside the cluster through the Service port the ServiceMonitor names
     metrics = answers[2]["body"]
     assert "te_request_count" in metrics and "te_embed_success" in metrics
+    assert batch["status"] == 200  # one model, one space behind both addresses:
+    assert min(cos(a, b) for a, b in zip(batch["body"], tei)) >= 0.9999
+    lanes = dict(re.findall(r'^embedops_lane_requests\{lane="(\w+)"\} ([0-9.]+)$', metrics, re.M))
+    # the batch address's request in the batch lane; the small ones on the service's address interactive
+    assert float(lanes["batch"]) == 1 and float(lanes["interactive"]) >= 2, lanes
     from kubernetes import client
 
     svc_obj = svc.core.read_namespaced_service(name, ns)

@@ -30,22 +30,27 @@ DOWNLOAD = {**MIG, "model": {"id": "BAAI/bge-m3", "revision": "5617a9f61b028005a
             "apiKeySecretRef": {"name": "key"}}
 CPU_DOWNLOAD_INT8 = {**CPU, "model": {"id": "BAAI/bge-m3", "quantize": "int8", "source": {"download": {}}},
                      "apiKeySecretRef": {"name": "key", "key": "token"}, "env": [{"name": "LOG_LEVEL", "value": "debug"}]}
+# a spec field a revision introduced: its case is rendered from that revision on (older files never held it)
+CPU_LANES = {**CPU, "lanes": {"enabled": True, "default": "batch", "batchService": True}}
+SINCE = {"cpu-lanes": 3}
 
 
-def cases() -> dict[str, dict]:
-    """EmbeddingServices whose templates together use every branch of the pod template."""
+def cases(revision: int) -> dict[str, dict]:
+    """EmbeddingServices whose templates together use every branch of the pod template (at `revision`)."""
     out = {name: defaulted(example(name)) for name in (
         "mig-embedder.yaml", "mig-reranker.yaml", "cpu-ingestion.yaml", "bge-m3-cpu-ingestion.yaml")}
     for name, spec in (("gpu", GPU), ("mig", MIG), ("cpu", CPU), ("cpu-scale-to-zero", SCALE_TO_ZERO),
-                       ("mig-download-api-key", DOWNLOAD), ("cpu-download-int8", CPU_DOWNLOAD_INT8)):
-        out[name] = defaulted(es(copy.deepcopy(spec), name="svc", uid="u"))
+                       ("mig-download-api-key", DOWNLOAD), ("cpu-download-int8", CPU_DOWNLOAD_INT8),
+                       ("cpu-lanes", CPU_LANES)):
+        if revision >= SINCE.get(name, 0):
+            out[name] = defaulted(es(copy.deepcopy(spec), name="svc", uid="u"))
     return out
 
 
 def templates(revision: int) -> dict[str, dict[str, dict]]:
     """case -> Deployment name -> its pod template, rendered at `revision` with the default options."""
     out = {}
-    for case, resource in cases().items():
+    for case, resource in cases(revision).items():
         manifests = R.render(resource, R.Options(), R.Pins.at(revision))
         out[case] = {m["metadata"]["name"]: m["spec"]["template"] for m in manifests if m["kind"] == "Deployment"}
     return out
