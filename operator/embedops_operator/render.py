@@ -1084,7 +1084,8 @@ def litellm_key(name: str) -> str:
 def litellm_config_map(name: str, ns: str, spec: EmbeddingServiceSpec, options: Options,
                        spaces: tuple[tuple[str, str], ...] = ()) -> dict:
     """This service's entries in the shared LiteLLM ConfigMap (one data key per service, own field manager): its
-    model name at the service's address, and during a change of the embedding space (`spaces`: (key, track) of
+    model name at the service's address, `<model name>-batch` at the batch lane's (lanes.batchService), and during
+    a change of the embedding space (`spaces`: (key, track) of
     each running one) one alias per space, `<model name>@<key>`, at that space's own address, so a query path or
     a reindex job can ask for one space by name whichever serves the service's address.
 
@@ -1098,6 +1099,8 @@ def litellm_config_map(name: str, ns: str, spec: EmbeddingServiceSpec, options: 
     model_name = ll.model_name or served
     entries = [(model_name, service_url(name, ns, spec, options))] + [
         (f"{model_name}@{key}", service_url(space_service_name(name, key), ns, spec, options)) for key, _ in spaces]
+    if spec.lanes is not None and spec.lanes.batch_service:  # ingestion through the gateway, in the batch lane
+        entries.append((f"{model_name}-batch", service_url(batch_service_name(name), ns, spec, options)))
     env_name = "EMBEDOPS_" + "".join(c if c.isalnum() else "_" for c in name.upper()) + "_API_KEY"
     text = _LITELLM.render(namespace=ns, name=name, entries=entries, served=served, task=detect_task(spec.model),
                            api_key=f"os.environ/{env_name}" if spec.api_key_secret_ref else "none")

@@ -88,3 +88,13 @@ def test_a_batch_service_is_refused_for_a_service_that_scales_to_zero():
     spec["autoscaling"]["minReplicas"] = 1
     assert validate(es(spec)) == []
     assert validate(es({**copy.deepcopy(CPU), "lanes": {"default": "fast"}}))  # an unknown lane: refused
+
+
+def test_litellm_gets_a_batch_model_at_the_batch_address():
+    objs = rendered({"batchService": True}, litellm={"configMapName": "litellm"})
+    text = next(m for (kind, _), m in objs.items() if kind == "ConfigMap")["data"]
+    (config,) = text.values()
+    assert "model_name: svc-batch" in config.replace('"', "") or "svc-batch" in config
+    assert "http://svc-batch.default.svc.cluster.local" in config or "svc-batch." in config
+    plain = next(m for (kind, _), m in rendered({}, litellm={"configMapName": "litellm"}).items() if kind == "ConfigMap")
+    assert "-batch" not in next(iter(plain["data"].values()))

@@ -141,7 +141,7 @@ class Engine:
         self.backend = backend
         self.lane = lane
         self.nice = nice
-        self._beside = beside or (lambda: False)
+        self._beside = beside or _never
         self.urgent_lane = ""  # one engine for both lanes: this lane's inputs head the next batch (queue.py)
         self.tokenizers = tokenizers
         self.max_input_length = max_input_length
@@ -459,6 +459,9 @@ class Engine:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
+        # the other lane's test closes over both engines: dropped, so that a closed pair is freed at once (the
+        # backend's sessions, memory-mapped model files included) rather than at the next garbage collection
+        self._beside = _never
         if tokenizers:
             self.tokenizers.close()
 
@@ -473,6 +476,10 @@ def lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
     except (AttributeError, OSError) as exc:  # not Linux, or refused: the lane still orders work, unweighted
         log.warning("cannot lower the priority of thread %s: %s", threading.current_thread().name, exc)
+
+
+def _never() -> bool:
+    return False
 
 
 def _filler(rows: int, length: int) -> Batch:
