@@ -36,8 +36,12 @@ QUERY_TOKENS = 16
 INGEST_TEXTS, INGEST_TOKENS = 32, 200
 QUERY_RATE = 50.0  # queries/s: one every 20 ms
 # 568M: a forward costs ~40x MiniLM's; the same clients would only measure a queue growing without bound
-SCALE = {"minilm": dict(query_rate=QUERY_RATE, ingest_texts=INGEST_TEXTS),
-         "568m": dict(query_rate=2.0, ingest_texts=8)}
+# (server flags: the operator's for the seed's CPU workload, docs/server.md "Memory": a 512-token limit, and a
+# batch budget whose warm-up does not take minutes; TEI gets the same budget)
+SCALE = {"minilm": dict(query_rate=QUERY_RATE, ingest_texts=INGEST_TEXTS, embedops=[], tei="", startup_s=180),
+         "568m": dict(query_rate=2.0, ingest_texts=8, embedops=["--max-input-length", "512",
+                                                               "--max-batch-tokens", "8192"],
+                      tei="+max-batch-tokens=8192", startup_s=600)}
 
 
 def model_folder(name: str) -> Path:
@@ -50,15 +54,17 @@ def model_folder(name: str) -> Path:
     return minilm_dir()
 
 
-def start(name: str, model_dir: Path, int8: bool, log_dir: Path):
+def start(name: str, model_dir: Path, int8: bool, log_dir: Path, scale: dict):
     from bench.targets import embedops_target
     from bench.tei import tei_target
 
     if name.split("+")[0] == "tei":
-        return tei_target(name + ("+int8" if int8 else ""), model_dir, log_dir=log_dir)
-    extra = ["--quantize", "int8"] if int8 else []
-    t = embedops_target(model_dir, "onnxruntime", log_dir=log_dir, name="embedops-onnx" + name[len("embedops"):],
-                        extra_args=extra)
+        t = tei_target(name + ("+int8" if int8 else "") + scale["tei"], model_dir, log_dir=log_dir)
+    else:
+        extra = (["--quantize", "int8"] if int8 else []) + scale["embedops"]
+        t = embedops_target(model_dir, "onnxruntime", log_dir=log_dir,
+                            name="embedops-onnx" + name[len("embedops"):], extra_args=extra)
+    t.server.startup_timeout_s = scale["startup_s"]
     return t
 
 
@@ -66,7 +72,9 @@ async def phase(kind: str, url: str, query: list[Request], ingest: list[Request]
                 duration: float, rate: float) -> dict:
     jobs = {}
     if kind in ("alone", "mixed"):
-        jobs["query"] = run_load(url, query, concurrency=8, rate=rate, duration_s=duration, warmup=3, drain_s=60)
+        # 100 warm-up queries: the first seconds of a fresh server (allocations of new shapes, cold caches) are
+        # not what a query meets in a running service, and they set a single run's p99
+        jobs["query"] = run_load(url, query, concurrency=8, rate=rate, duration_s=duration, warmup=100, drain_s=60)
     if kind in ("ingest", "mixed"):
         jobs["ingest"] = run_load(url, ingest, concurrency=clients, duration_s=duration, warmup=clients,
                                   drain_s=120, request_timeout_s=120, honor_retry_after=True)
@@ -106,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in names:
             try:
-                t = start(name, model_dir, args.int8, args.log_dir)
+                t = start(name, model_dir, args.int8, args.log_dir, scale)
                 t.server.start()
                 started[name] = t
             except Exception as e:  # noqa: BLE001 - a peer that cannot run here is a line, not the end
@@ -119,10 +127,13 @@ def main(argv: list[str] | None = None) -> int:
                     for kind in ("alone", "ingest", "mixed"):
                         if kind == "alone" and c != clients[0]:
                             continue  # the query alone does not depend on the ingestion clients
+                        cpu0, own0 = t.server.cpu_s(), time.process_time()
                         res = asyncio.run(phase(kind, t.embed_url, query, ingest, c, args.duration,
                                                 scale["query_rate"]))
                         row = {"target": name, "clients": c, "phase": kind, "round": r, **{
-                            f"{k}_{m}": v for k, d in res.items() for m, v in d.items()}}
+                            f"{k}_{m}": v for k, d in res.items() for m, v in d.items()},
+                            # CPU seconds of the server's process tree and of this load generator in the phase
+                            "server_cpu_s": t.server.cpu_s() - cpu0, "client_cpu_s": time.process_time() - own0}
                         rows.append(row)
                         print(json.dumps(row), file=sys.stderr)
     finally:
@@ -156,6 +167,10 @@ def report(rows: list[dict], clients: list[int], args) -> None:
             ia, im = get(target, c, "ingest", "ingest_texts_s"), get(target, c, "mixed", "ingest_texts_s")
             print(f"{target:<26} {c:>7} {a50:>11.1f} / {a99:>9.1f} {m50:>12.1f} / {m99:>10.1f} {m99 / a99:>9.1f} "
                   f"{ia:>14.1f} {im:>14.1f} {im / ia:>6.2f}")
+    print("\nCPU per query alone (server + load generator, ms; warm-up included): " + ", ".join(
+        f"{t} {1000 * get(t, clients[0], 'alone', 'server_cpu_s') / max(1, get(t, clients[0], 'alone', 'query_ok')):.1f}"
+        f" + {1000 * get(t, clients[0], 'alone', 'client_cpu_s') / max(1, get(t, clients[0], 'alone', 'query_ok')):.1f}"
+        for t in dict.fromkeys(r["target"] for r in rows)))
     errors = [r for r in rows if r.get("query_errors") or r.get("ingest_errors")]
     for r in errors:
         print(f"errors: {r['target']} c={r['clients']} {r['phase']}: query {r.get('query_error_kinds')} "
