@@ -159,14 +159,15 @@ def report(rows: list[dict], clients: list[int], args) -> None:
     print(f"\nquery beside ingestion ({args.model}, {dtype}; query every {1000 / SCALE[args.model]['query_rate']:.0f}"
           f" ms, ingestion {SCALE[args.model]['ingest_texts']} x {INGEST_TOKENS} tokens per request)")
     print(f"{'target':<26} {'clients':>7} {'query alone p50/p99 ms':>24} {'beside ingestion p50/p99':>26} "
-          f"{'p99 ratio':>9} {'ingest alone/s':>14} {'beside query/s':>14} {'ratio':>6}")
+          f"{'p99 ratio':>9} {'queries/s':>9} {'ingest alone/s':>14} {'beside query/s':>14} {'ratio':>6}")
     for target in dict.fromkeys(r["target"] for r in rows):
         for c in clients:
             a50, a99 = get(target, c, "alone", "query_p50"), get(target, c, "alone", "query_p99")
             m50, m99 = get(target, c, "mixed", "query_p50"), get(target, c, "mixed", "query_p99")
             ia, im = get(target, c, "ingest", "ingest_texts_s"), get(target, c, "mixed", "ingest_texts_s")
+            answered = get(target, c, "mixed", "query_texts_s")  # queries answered (200) per second beside it
             print(f"{target:<26} {c:>7} {a50:>11.1f} / {a99:>9.1f} {m50:>12.1f} / {m99:>10.1f} {m99 / a99:>9.1f} "
-                  f"{ia:>14.1f} {im:>14.1f} {im / ia:>6.2f}")
+                  f"{answered:>9.1f} {ia:>14.1f} {im:>14.1f} {im / ia:>6.2f}")
     print("\nCPU per query alone (server + load generator, ms; warm-up included): " + ", ".join(
         f"{t} {1000 * get(t, clients[0], 'alone', 'server_cpu_s') / max(1, get(t, clients[0], 'alone', 'query_ok')):.1f}"
         f" + {1000 * get(t, clients[0], 'alone', 'client_cpu_s') / max(1, get(t, clients[0], 'alone', 'query_ok')):.1f}"
