@@ -75,9 +75,13 @@ class Lanes:
     @classmethod
     def separate_engines(cls, make: Callable[..., Engine], max_concurrent: int, batch_limit: int,
                          batch_nice: int) -> "Lanes":
-        """An engine per lane from `make(**lane options)`; each runs its forwards narrow while the other's run."""
+        """An engine per lane from `make(**lane options)`; each runs its forwards narrow while the other lane is
+        busy (the batch lane: holds admitted work; the interactive lane: runs a forward)."""
         engines: dict[str, Engine] = {}
-        engines[INTERACTIVE] = make(lane=INTERACTIVE, beside=lambda: engines[BATCH].running())
+        # A query runs narrow while the batch lane holds any work, not only while one of its forwards runs: between
+        # two batch forwards a wide query would take the latency session, whose threads spin after it at normal
+        # priority on the cores the batch lane is about to use.
+        engines[INTERACTIVE] = make(lane=INTERACTIVE, beside=lambda: engines[BATCH].in_flight > 0)
         engines[BATCH] = make(lane=BATCH, nice=batch_nice, inline=False,
                               beside=lambda: engines[INTERACTIVE].running())
         return cls(engines, max_concurrent, batch_limit)
