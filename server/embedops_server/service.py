@@ -34,6 +34,11 @@ class Service:
         if self.lanes is None:
             self.lanes = Lanes.one(self.engine)
 
+    def close(self) -> None:
+        """Stop every lane's engine threads and the tokenizer pool (closing `engine` alone would leave the batch
+        lane's threads running, holding the backend and its memory-mapped model files)."""
+        self.lanes.close()
+
 
 def _cuda_available() -> bool:
     if not torch_installed():  # the ONNX Runtime-only image: no import attempt on its path

@@ -208,7 +208,7 @@ def test_max_input_length_bounds_inputs_and_is_refused_above_the_models(hub_fold
     try:
         assert svc.max_input_length == 16 and svc.engine.max_input_length == 16
     finally:
-        svc.engine.close()
+        svc.close()
     with pytest.raises(ModelError, match="exceeds the model's own limit"):
         build_service(Settings(model_id=str(hub_folder), backend="onnxruntime", num_threads=1,
                                onnx_cache=str(tmp_path), max_input_length=100_000))

@@ -73,7 +73,7 @@ def create_app(settings: Settings, service=None,
         if task is not None and not task.done():
             task.cancel()
         if st.service is not None:
-            st.service.lanes.close()
+            st.service.close()
 
     app = FastAPI(title="embedops-server", version=__version__, lifespan=lifespan,
                   description="TEI-compatible embeddings, rerank, sparse and classification server")
