@@ -253,7 +253,7 @@ def endpoints(name: str, namespace: str, spec: EmbeddingServiceSpec, options: Op
         out["openai"] = base + "/v1"
     if task == "rerank":
         out["rerank"] = base + "/rerank"
-    if spec.lanes is not None and spec.lanes.batch_service:
+    if has_batch_service(spec):
         out["batch"] = service_url(batch_service_name(name), namespace, spec, options)
     if spec.gateway and spec.gateway.hostnames:
         out["external"] = f"https://{spec.gateway.hostnames[0]}{spec.gateway.path_prefix}"
@@ -320,9 +320,14 @@ def _node_selector(spec: EmbeddingServiceSpec) -> dict[str, str]:
     return dict(sorted(sel.items()))
 
 
+def has_batch_service(spec: EmbeddingServiceSpec) -> bool:
+    """Does the spec ask for the batch lane's own address, `<name>-batch` (spec.lanes.batchService)?"""
+    return spec.lanes is not None and spec.lanes.batch_service
+
+
 def batch_port(spec: EmbeddingServiceSpec, revision: int = TEMPLATE_REVISION) -> bool:
     """Does the server listen on BATCH_PORT (the <name>-batch Service's target)?"""
-    return revision >= 3 and spec.lanes is not None and spec.lanes.batch_service
+    return revision >= 3 and has_batch_service(spec)
 
 
 def _args(spec: EmbeddingServiceSpec, revision: int = TEMPLATE_REVISION) -> list[str]:
@@ -686,10 +691,16 @@ def deployment(name: str, ns: str, spec: EmbeddingServiceSpec, options: Options,
 
 def service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, serving: str | None = None) -> dict:
     """The service's address: selects the pods of the track that serves (`serving`, by default its own name)."""
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": _meta(name, ns, common_labels(name, detect_task(spec.model)), owner),
-            "spec": {"type": spec.service.type, "selector": selector_labels(serving or name),
-                     "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http",
+    return _service_object(name, ns, common_labels(name, detect_task(spec.model)), owner, spec.service.type,
+                           serving or name, spec.service.port, "http")
+
+
+def _service_object(svc_name: str, ns: str, labels: dict, owner: dict | None, kind: str, track: str, port: int,
+                    target_port: str) -> dict:
+    """A Service selecting one track's pods: the service's address, a space's or the batch lane's."""
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(svc_name, ns, labels, owner),
+            "spec": {"type": kind, "selector": selector_labels(track),
+                     "ports": [{"name": "http", "port": port, "targetPort": target_port,
                                 "protocol": "TCP", "appProtocol": "http"}]}}
 
 
@@ -705,10 +716,7 @@ def batch_service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | 
     ServiceMonitor (which selects the service's Service) does not scrape a pod twice."""
     svc_name = batch_service_name(name)
     labels = {**common_labels(name, detect_task(spec.model)), LABEL_INSTANCE: svc_name}
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(svc_name, ns, labels, owner),
-            "spec": {"type": "ClusterIP", "selector": selector_labels(serving or name),
-                     "ports": [{"name": "http", "port": spec.service.port, "targetPort": "batch",
-                                "protocol": "TCP", "appProtocol": "http"}]}}
+    return _service_object(svc_name, ns, labels, owner, "ClusterIP", serving or name, spec.service.port, "batch")
 
 
 def space_service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, key: str,
@@ -720,10 +728,7 @@ def space_service(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | 
 
     svc_name = space_service_name(name, key)
     labels = {**common_labels(name, detect_task(spec.model)), LABEL_INSTANCE: svc_name, LABEL_SPACE: key}
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(svc_name, ns, labels, owner),
-            "spec": {"type": "ClusterIP", "selector": selector_labels(track),
-                     "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http",
-                                "protocol": "TCP", "appProtocol": "http"}]}}
+    return _service_object(svc_name, ns, labels, owner, "ClusterIP", track, spec.service.port, "http")
 
 
 # ------------------------------------------------------------------------------------ scale from zero
@@ -928,7 +933,7 @@ def network_policy(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict |
         peers.append(_from_namespaces(names))
     # the model server and the activator both serve the API on SERVER_PORT (== ACTIVATOR_PORT), and /metrics there
     ports = [{"protocol": "TCP", "port": SERVER_PORT}]
-    if spec.lanes is not None and spec.lanes.batch_service:  # the batch lane's address (lanes.batchService)
+    if has_batch_service(spec):  # the batch lane's address (lanes.batchService)
         ports.append({"protocol": "TCP", "port": BATCH_PORT})
     rules: list[dict] = [{"from": peers, "ports": ports}]
     a = spec.autoscaling
@@ -1099,7 +1104,7 @@ def litellm_config_map(name: str, ns: str, spec: EmbeddingServiceSpec, options: 
     model_name = ll.model_name or served
     entries = [(model_name, service_url(name, ns, spec, options))] + [
         (f"{model_name}@{key}", service_url(space_service_name(name, key), ns, spec, options)) for key, _ in spaces]
-    if spec.lanes is not None and spec.lanes.batch_service:  # ingestion through the gateway, in the batch lane
+    if has_batch_service(spec):  # ingestion through the gateway, in the batch lane
         entries.append((f"{model_name}-batch", service_url(batch_service_name(name), ns, spec, options)))
     env_name = "EMBEDOPS_" + "".join(c if c.isalnum() else "_" for c in name.upper()) + "_API_KEY"
     text = _LITELLM.render(namespace=ns, name=name, entries=entries, served=served, task=detect_task(spec.model),
@@ -1146,7 +1151,7 @@ def render(resource: dict, options: Options | None = None, pins: Pins | None = N
                 activator_service(name, ns, spec, owner)]
     else:
         out.append(service(name, ns, spec, owner, tracks.serving))
-    if spec.lanes is not None and spec.lanes.batch_service and not to_zero:  # (CEL refuses it with to_zero)
+    if has_batch_service(spec) and not to_zero:  # (CEL refuses it with to_zero)
         out.append(batch_service(name, ns, spec, owner, tracks.serving))
     out += [space_service(name, ns, spec, owner, key, track) for key, track in tracks.spaces]
     if tracks.reindex is not None and spec.migration.reindex is not None:

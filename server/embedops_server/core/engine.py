@@ -132,7 +132,7 @@ class EngineStats:
 class Engine:
     """``lane``, ``nice``, ``inline``, ``beside``: one lane of core/lanes.py (another engine shares the backend
     and the tokenizers): its name, the nice value its threads run at (0: unchanged), whether a lone query may run
-    on the event loop, and a test of whether the other lane runs a forward now (this one's then run narrow)."""
+    on the event loop, and a test of whether the other lane is busy now (this one's forwards then run narrow)."""
 
     def __init__(self, backend, tokenizers: TokenizerPool, max_input_length: int, max_batch_tokens: int,
                  max_batch_requests: int | None, max_concurrent_requests: int, stats: EngineStats | None = None,

@@ -165,7 +165,7 @@ class AppState:
                 raise ApiError("ClientClosedRequest", "client disconnected")
             results = fut.result()
             self.metrics.c.inc("embedops_lane_requests", lane=lane)
-            self.metrics.lane_duration.labels(lane=lane).observe(
+            self.metrics.lane_duration_of[lane].observe(
                 max(0.0, (req.t_done or time.perf_counter()) - req.t_start))
             return results, req
         finally:
