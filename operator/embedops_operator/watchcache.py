@@ -14,6 +14,10 @@ nothing else. Each change of the cache calls `on_event(type, old, new)` from the
   a listing succeeds, and then delivers every object as ADDED.
 - Writes of our own are stored with `put()` (the object the API server returned), so the watch event that
   follows carries the same resourceVersion and changes nothing: our writes do not come back as events.
+  A write's answer can arrive after the watch already delivered a newer change, a deletion included (a status
+  written just before a user deletes the EmbeddingService): `put()` then stores nothing. Without that, the
+  deleted object came back into the cache for good, and its service was reconciled forever, its children
+  created again after each garbage collection (a CI failure of 2026-12-05, tests/integration/test_bad_manifests.py).
 
 The transport is two callables (see `Kube.list_page` / `Kube.watch_stream` in apply.py), so tests can fake it.
 """
@@ -77,6 +81,9 @@ class Informer:
         self._items: dict[Key, dict] = {}
         self._lock = threading.Lock()
         self._rv: str | None = None
+        # the newest resourceVersion the cache reflects (a listing's, or the last event's), as a number: an
+        # object absent from the cache whose own version is not newer was deleted meanwhile (see put)
+        self._reflected: int | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()  # ends a retry back-off early (the API server is reachable again)
         # apply.ApiHealth or None: failures that mean "API server unavailable" are reported there (one
@@ -138,13 +145,20 @@ class Informer:
 
     # ------------------------------------------------------------------ our own writes
     def put(self, obj: dict) -> None:
-        """Store an object the API server returned for our write, unless the cache already holds a newer one."""
+        """Store an object the API server returned for our write, unless the cache already holds a newer version
+        of it, or holds none although it reflects a version at least as new (the object was deleted since: its
+        DELETED event, or a listing without it, came before this answer). Storing nothing is always safe: the
+        watch delivers the object's newest version anyway; storing a stale one would keep a deleted object."""
         obj = self.transform(obj)
         k = key_of(obj)
+        new_rv = _rv(obj)
         with self._lock:
             old = self._items.get(k)
-            if old is not None and _rv(old) is not None and _rv(obj) is not None and _rv(old) > _rv(obj):
-                return
+            if new_rv is not None:
+                if old is None and self._reflected is not None and new_rv <= self._reflected:
+                    return
+                if old is not None and _rv(old) is not None and _rv(old) > new_rv:
+                    return
             self._set(k, obj)
 
     def drop(self, namespace: str, name: str) -> None:
@@ -165,6 +179,7 @@ class Informer:
         k = key_of(obj)
         with self._lock:
             old = self._items.get(k)
+            self._reflect(_rv(obj))
             if etype == "DELETED":
                 self._set(k, None)
             else:
@@ -177,14 +192,21 @@ class Informer:
         else:
             self._emit("ADDED" if old is None else "MODIFIED", old, obj)
 
-    def _replace(self, listed: list[dict]) -> None:
-        """A fresh listing: the cache becomes exactly it; the differences are delivered as events."""
+    def _reflect(self, rv: int | None) -> None:
+        """The cache now reflects the API server at `rv` (callers hold the lock)."""
+        if rv is not None and (self._reflected is None or rv > self._reflected):
+            self._reflected = rv
+
+    def _replace(self, listed: list[dict], rv: str | None = None) -> None:
+        """A fresh listing (at resourceVersion `rv`): the cache becomes exactly it; the differences are
+        delivered as events."""
         fresh = {}
         for raw in listed:
             obj = self.transform(raw)
             fresh[key_of(obj)] = obj
         with self._lock:
             old_items, self._items, self._index = self._items, {}, {}
+            self._reflect(_rv({"metadata": {"resourceVersion": rv}}))
             for k, obj in fresh.items():
                 self._set(k, obj)
         for k, old in old_items.items():
@@ -229,7 +251,7 @@ class Informer:
                 break
         self.lists += 1
         self._rv = rv
-        self._replace(items)
+        self._replace(items, rv)
         if self.waiting_reason:
             log.info("%s: listed after waiting (%s)", self.name, self.waiting_reason)
             self.waiting_reason = None
@@ -255,7 +277,10 @@ class Informer:
                 if etype in ("ADDED", "MODIFIED", "DELETED"):
                     self._apply_event(etype, obj)
                 if rv:
-                    self._rv = rv  # BOOKMARK events only move this
+                    self._rv = rv  # BOOKMARK events only move this (and what the cache reflects)
+                    if etype == "BOOKMARK":
+                        with self._lock:
+                            self._reflect(_rv(obj))
         finally:
             self._closer = None
 

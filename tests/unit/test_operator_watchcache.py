@@ -155,6 +155,28 @@ def test_own_writes_do_not_come_back_as_events():
     assert inf.get("ml", "a")["metadata"]["resourceVersion"] == "6"
 
 
+def test_a_write_answered_after_the_objects_deletion_does_not_bring_it_back():
+    """The race of CI's 2026-12-05 failure: the operator writes a status (rv 5), the user deletes the object (rv 6),
+    the watch delivers the deletion, then the write's answer reaches the cache. The object stays gone (it used to
+    come back for good: its service was reconciled forever, its children recreated after each collection)."""
+    server, events = FakeServer(), []
+    inf = informer(server, events)
+    inf._replace([obj("a", 4), obj("b", 4)], "4")
+    inf._apply_event("MODIFIED", obj("a", 5))
+    inf._apply_event("DELETED", obj("a", 6))
+    inf.put(obj("a", 5))
+    assert inf.get("ml", "a") is None
+    # a listing that no longer holds the object says the same: b was deleted before the listing at rv 9
+    inf._replace([obj("a", 8)], "9")
+    inf.put(obj("b", 7))
+    assert inf.get("ml", "b") is None
+    # a write newer than anything the cache reflects is stored (its watch event is still coming), and a
+    # deleted object written again (created anew) is stored too
+    inf.put(obj("c", 10))
+    inf.put(obj("b", 11))
+    assert inf.get("ml", "c") and inf.get("ml", "b")["metadata"]["resourceVersion"] == "11"
+
+
 class LiveKube:
     def __init__(self):
         self.calls = []
