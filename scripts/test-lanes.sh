@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # `make test`'s pytest run: two processes side by side on the machine's cores.
-#   cluster lane  the tests that share the one local cluster (tests/e2e, tests/integration, tests/cluster), in
-#                 order, printed as they run: most of their time is spent waiting on pods, scrapes and
-#                 autoscaler windows;
-#   local lane    every other test (server, operator units, bench), CPU-bound, logged to
-#                 .run/test-lanes/local.log and printed after the cluster lane.
+#   cluster lane  the tests that share the local cluster and its real node (tests/e2e, tests/cluster), in order,
+#                 printed as they run: most of their time is spent waiting on pods, scrapes and autoscaler windows;
+#   local lane    every other test: the CPU-bound ones (server, operator units, bench), then the operator's
+#                 integration tests (tests/integration) on a control plane of its own without a real node
+#                 (.run/pytest-side: some of them stop their API server or etcd, which the cluster lane's tests
+#                 must not see); logged to .run/test-lanes/local.log and printed after the cluster lane.
 # The lane is chosen by folder (tests/conftest.py marks `cluster_lane`), so every collected test runs in exactly
 # one. The exit status fails when either lane fails. Arguments go to both pytest runs.
 set -uo pipefail
@@ -15,7 +16,8 @@ mkdir -p "$logs"
 local_log="$logs/local.log"
 
 start=$(date +%s)
-"$PY" -m pytest -m "not cluster_lane" "$@" >"$local_log" 2>&1 &
+EMBEDOPS_TEST_CLUSTER=pytest-side EMBEDOPS_REAL_NODE=0 \
+  "$PY" -m pytest -m "not cluster_lane" "$@" >"$local_log" 2>&1 &
 local_pid=$!
 # a Ctrl-C or a CI timeout stops both lanes
 trap 'kill "$local_pid" 2>/dev/null' EXIT
@@ -28,7 +30,7 @@ local_rc=$?
 trap - EXIT
 
 echo
-echo "================ local lane (no cluster; ran beside the cluster lane) ================"
+echo "================ local lane (no real node; ran beside the cluster lane) ================"
 cat "$local_log"
 echo
 echo "lanes: cluster exit $cluster_rc in $((cluster_end - start)) s, local exit $local_rc" \

@@ -34,12 +34,17 @@ REPO = Path(__file__).resolve().parent.parent
 REQUIRE_ALL = os.environ.get("EMBEDOPS_REQUIRE_ALL") == "1"
 
 
-# `make test` runs two pytest processes side by side (scripts/test-lanes.sh): the tests that share the one local
-# cluster (its control plane, real node, images and operator processes), in order, and beside them the tests that
-# need no cluster. Most of the cluster tests' time is waiting (pods, scrapes, autoscaler windows), so the other
-# core does the CPU-bound server tests meanwhile. The lane is chosen by folder, so a new test lands in one.
-CLUSTER_LANE_DIRS = ("tests/e2e/", "tests/integration/", "tests/cluster/")
+# `make test` runs two pytest processes side by side (scripts/test-lanes.sh). The cluster lane: the tests that share
+# the one local cluster with its real node (its images, pods, Prometheus, KEDA, gateway), in order; most of their
+# time is waiting (pods, scrapes, autoscaler windows). Beside it, the other core runs the CPU-bound tests that need
+# no cluster, then the operator's integration tests (tests/integration): those need an API server but no real node,
+# and some stop theirs (faults, HA), so that lane starts a control plane of its own (`EMBEDOPS_TEST_CLUSTER`, no
+# real node) instead of waiting its turn in the cluster lane. The lane is chosen by folder, so a new test lands in one.
+CLUSTER_LANE_DIRS = ("tests/e2e/", "tests/cluster/")
 NO_CLUSTER_FILES = ("tests/cluster/test_build_script.py",)  # runs the built binaries, writes nothing shared
+
+
+LAST_DIRS = ("tests/integration/",)  # the local lane's control plane starts once its CPU-bound tests are done
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,6 +52,8 @@ def pytest_collection_modifyitems(config, items):
         rel = item.path.relative_to(REPO).as_posix()
         if rel.startswith(CLUSTER_LANE_DIRS) and rel not in NO_CLUSTER_FILES:
             item.add_marker(pytest.mark.cluster_lane)
+    # a stable sort: each module's tests stay together and in order
+    items.sort(key=lambda item: item.path.relative_to(REPO).as_posix().startswith(LAST_DIRS))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -131,7 +138,9 @@ def kube():
         pytest.skip(str(e))
     from localcluster import node
 
-    cluster, kubeconfig, reason = controlplane.start_cluster(controlplane.default_run_dir() / "pytest")
+    # the side lane's own control plane has its own folder (scripts/test-lanes.sh); one per run folder
+    run_name = os.environ.get("EMBEDOPS_TEST_CLUSTER", "pytest")
+    cluster, kubeconfig, reason = controlplane.start_cluster(controlplane.default_run_dir() / run_name)
     global SESSION_KUBE
     try:
         SESSION_KUBE = Kube(str(kubeconfig), local=True, helm=helm,
