@@ -44,7 +44,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.stall_after_seconds:
         os.environ["EMBEDOPS_STALL_AFTER_SECONDS"] = str(args.stall_after_seconds)
     from . import handlers  # noqa: F401 - registers the handlers
-    from . import leader, metrics
+    from . import metrics
+    from .runtime import leader
 
     access = None
     if args.metrics_address and args.metrics_auth == "kubernetes":
@@ -129,7 +130,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics-cert-dir", default="",
                      help="folder with tls.crt and tls.key: serve /metrics over HTTPS (e.g. a cert-manager "
                           "Secret); default plain HTTP")
-    from .leader import add_arguments as leader_arguments
+    from .runtime.leader import add_arguments as leader_arguments
     leader_arguments(run)
     run.set_defaults(func=cmd_run)
     ren = sub.add_parser("render", help="print the manifests the operator would apply (no cluster needed)")

@@ -19,10 +19,11 @@ import threading
 import time
 from functools import partial
 
-from . import apply, metrics, render, spec, watchcache
-from .cachedkube import CachedKube
+from . import apply, metrics, render, spec
+from .runtime import client, watchcache
+from .runtime.cachedkube import CachedKube
 from .reconcile import Reconciler, Settings
-from .workqueue import WorkQueue
+from .runtime.workqueue import WorkQueue
 
 log = logging.getLogger("embedops.controller")
 
@@ -94,9 +95,9 @@ class Controller:
         self.reconciler.requeue_status = lambda key: self.queue.add(key, False)  # a stall deadline passed
         self.workers = workers
         self.tombstones: dict[tuple[str, str], dict] = {}  # deleted EmbeddingServices not yet forgotten
-        # the API server's availability, from every request (apply.ApiHealth); when it answers again after
+        # the API server's availability, from every request (client.ApiHealth); when it answers again after
         # failures, services that failed meanwhile are queued at once and the watches resume
-        self.health: apply.ApiHealth = getattr(kube, "health", None) or apply.ApiHealth()
+        self.health: client.ApiHealth = getattr(kube, "health", None) or client.ApiHealth()
         self.health.on_recovered.append(self._recovered)
         self._last_recovery = -1e9
         # what each service's last successful full reconcile saw (see _fingerprint); a resync skips services
@@ -188,10 +189,10 @@ class Controller:
                 self._seen.pop(key, None)
                 # the API server being away is reported once (rate-limited) by self.health, and the key is
                 # retried as soon as it answers; anything else may be a bug: keep the traceback
-                if isinstance(exc, apply.LeadershipLost):  # the process exits in a moment (leader._lost)
+                if isinstance(exc, client.LeadershipLost):  # the process exits in a moment (leader._lost)
                     log.debug("reconcile of %s/%s stopped: %s", *key, exc)
                 elif self.health.failed(exc):
-                    log.debug("reconcile of %s/%s failed: %s", *key, apply.unavailable_reason(exc))
+                    log.debug("reconcile of %s/%s failed: %s", *key, client.unavailable_reason(exc))
                 else:
                     log.exception("reconcile of %s/%s failed", *key)
                 if body is not None:
@@ -301,7 +302,7 @@ class Controller:
             try:
                 self.resync()
             except Exception as exc:  # noqa: BLE001
-                if apply.unavailable_reason(exc) is None:
+                if client.unavailable_reason(exc) is None:
                     log.exception("resync failed")
 
     # ------------------------------------------------------------------ lifecycle

@@ -41,7 +41,7 @@ async def startup(settings: kopf.OperatorSettings, **_: object) -> None:
     settings.scanning.disabled = True
     settings.execution.max_workers = 8
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
-        # urllib3 warns on every retry of every request while the API server is away; apply.ApiHealth logs
+        # urllib3 warns on every retry of every request while the API server is away; the client's ApiHealth logs
         # one line per kind of failure instead
         logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     controller = Controller(apply.Kube(), Settings.from_env())

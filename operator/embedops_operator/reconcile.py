@@ -18,7 +18,8 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
 from . import apply, litellm, memory, render, spaces, status, upgrades
-from .delayed import DelayedCalls
+from .runtime.client import unavailable_reason
+from .runtime.delayed import DelayedCalls
 from .spec import API_VERSION, KIND, parse as parse_resource
 
 log = logging.getLogger("embedops.reconcile")
@@ -154,8 +155,8 @@ class Reconciler:
                             observed.invalid = f"a rendered child was refused: {msg}"
                         else:
                             observed.apply_error = msg
-                        # an unavailable API server is reported once by apply.ApiHealth, not per service
-                        (log.debug if apply.unavailable_reason(exc) else log.warning)(
+                        # an unavailable API server is reported once by the client's ApiHealth, not per service
+                        (log.debug if unavailable_reason(exc) else log.warning)(
                             "%s/%s: apply failed: %s", namespace, name, msg)
                         if exc.status >= 500 or exc.status in (404, 409, 429):
                             self.kube.forget_capabilities()
@@ -396,7 +397,7 @@ class Reconciler:
         try:
             preview = self.kube.apply(desired, dry_run=True)
         except ApiException as exc:
-            if apply.unavailable_reason(exc) is not None:
+            if unavailable_reason(exc) is not None:
                 raise
             return False
         return (preview.get("spec") or {}).get("template") == live["spec"]["template"]
@@ -448,7 +449,7 @@ class Reconciler:
         try:
             self.reconcile(*key, apply_children=False)
         except Exception as exc:  # noqa: BLE001 - the resync loop retries
-            if apply.unavailable_reason(exc) is None:
+            if unavailable_reason(exc) is None:
                 log.exception("status recheck of %s/%s failed", *key)
 
     def write_status(self, resource: dict, observed: status.Observed, options: render.Options) -> dict | None:
@@ -483,7 +484,7 @@ class Reconciler:
             try:
                 litellm.sweep(self.kube, ns)
             except Exception as exc:  # noqa: BLE001 - retried next resync
-                if apply.unavailable_reason(exc) is None:
+                if unavailable_reason(exc) is None:
                     log.exception("LiteLLM sweep in %s failed", ns or "all namespaces")
 
     def forget(self, namespace: str, name: str, body: dict) -> None:

@@ -133,7 +133,7 @@ def test_expired_watch_relists_without_losing_a_deletion(kube, env):
     from kubernetes.client.rest import ApiException
 
     from embedops_operator import apply as A
-    from embedops_operator import watchcache as W
+    from embedops_operator.runtime import watchcache as W
 
     core, sel = env["core"], "embedops-it/rv-test=1"
     for name in ("rv-keep", "rv-gone"):

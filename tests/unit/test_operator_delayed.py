@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from embedops_operator.delayed import DelayedCalls
-from embedops_operator.workqueue import WorkQueue
+from embedops_operator.runtime.delayed import DelayedCalls
+from embedops_operator.runtime.workqueue import WorkQueue
 
 
 def wait(predicate, timeout: float = 5.0) -> None:

@@ -9,7 +9,7 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
-from embedops_operator.leader import ElectionConfig, Elector
+from embedops_operator.runtime.leader import ElectionConfig, Elector
 
 
 class FakeLeases:
@@ -178,6 +178,7 @@ def test_a_write_past_the_renew_deadline_is_refused_before_it_is_sent():
     """Fencing: the elector's holds() is asked before every write the operator's client sends; reads and dry-runs
     go on (they change nothing)."""
     from embedops_operator import apply as A
+    from embedops_operator.runtime.client import LeadershipLost
 
     sent = []
 
@@ -200,9 +201,9 @@ def test_a_write_past_the_renew_deadline_is_refused_before_it_is_sent():
     with pytest.raises(RuntimeError, match="stop here"):  # within the deadline: sent
         kube.apply(obj)
     clock[0] = 105.5  # 10.5 s since the last renewal
-    with pytest.raises(A.LeadershipLost):
+    with pytest.raises(LeadershipLost):
         kube.apply(obj)
-    with pytest.raises(A.LeadershipLost):
+    with pytest.raises(LeadershipLost):
         kube.delete("v1", "Service", "ml", "s")
     with pytest.raises(RuntimeError, match="stop here"):
         kube.get("v1", "Service", "ml", "s")

@@ -5,7 +5,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from embedops_operator import metrics
-from embedops_operator.workqueue import WorkQueue
+from embedops_operator.runtime.workqueue import WorkQueue
 
 
 class FakeController:

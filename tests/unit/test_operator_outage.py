@@ -10,11 +10,11 @@ import time
 import urllib3
 from kubernetes.client.rest import ApiException
 
-from embedops_operator import apply as A
 from embedops_operator import controller as C
 from embedops_operator import render as R
-from embedops_operator import watchcache as W
-from embedops_operator.workqueue import WorkQueue
+from embedops_operator.runtime import client as K
+from embedops_operator.runtime import watchcache as W
+from embedops_operator.runtime.workqueue import WorkQueue
 
 
 def refused() -> Exception:
@@ -31,27 +31,27 @@ def wait(cond, timeout=5.0):
 
 
 def test_unavailable_reason_tells_an_outage_from_a_bug():
-    assert "Connection refused" in A.unavailable_reason(refused())
-    assert A.unavailable_reason(ConnectionResetError(104, "Connection reset by peer"))
-    assert A.unavailable_reason(urllib3.exceptions.ProtocolError("Connection aborted."))
-    assert A.unavailable_reason(ApiException(status=503, reason="Service Unavailable")) == \
+    assert "Connection refused" in K.unavailable_reason(refused())
+    assert K.unavailable_reason(ConnectionResetError(104, "Connection reset by peer"))
+    assert K.unavailable_reason(urllib3.exceptions.ProtocolError("Connection aborted."))
+    assert K.unavailable_reason(ApiException(status=503, reason="Service Unavailable")) == \
         "HTTP 503 Service Unavailable"
-    assert A.unavailable_reason(ApiException(status=504)) == "HTTP 504"
+    assert K.unavailable_reason(ApiException(status=504)) == "HTTP 504"
     etcd = ApiException(status=500)
     etcd.body = '{"kind":"Status","message":"etcdserver: request timed out","code":500}'
-    assert A.unavailable_reason(etcd) == "HTTP 500 etcdserver unavailable"
+    assert K.unavailable_reason(etcd) == "HTTP 500 etcdserver unavailable"
     for exc in (ApiException(status=500), ApiException(status=422), ApiException(status=404), KeyError("x"),
                 ValueError("bad")):
-        assert A.unavailable_reason(exc) is None, exc
+        assert K.unavailable_reason(exc) is None, exc
 
 
 def test_api_health_logs_once_per_kind_and_reports_the_recovery(caplog):
-    health = A.ApiHealth(log_every=60)
+    health = K.ApiHealth(log_every=60)
     seen = []
     health.on_recovered.append(lambda outage: seen.append(outage) or "re-queued 3 services")
     health.ok()  # available: nothing happens
     assert seen == [] and health.available
-    with caplog.at_level(logging.INFO, logger="embedops.apply"):
+    with caplog.at_level(logging.INFO, logger="embedops.api"):
         for _ in range(200):
             assert health.failed(refused())
         assert health.failed(ApiException(status=503, reason="Service Unavailable"))
@@ -84,7 +84,7 @@ def test_retry_failed_now_requeues_failed_keys_and_resets_their_backoff():
 
 
 def test_informer_reports_outages_to_health_and_wakes_from_its_backoff(caplog):
-    health = A.ApiHealth()
+    health = K.ApiHealth()
     calls = []
 
     def list_page(limit, cont):
@@ -119,7 +119,7 @@ class FakeKube:
     capability_ttl = 0
 
     def __init__(self):
-        self.health = A.ApiHealth()
+        self.health = K.ApiHealth()
 
     def capabilities(self):
         return frozenset()

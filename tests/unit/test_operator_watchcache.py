@@ -7,9 +7,9 @@ import time
 
 from kubernetes.client.rest import ApiException
 
-from embedops_operator import watchcache as W
-from embedops_operator.cachedkube import CachedKube
-from embedops_operator.workqueue import WorkQueue
+from embedops_operator.runtime import watchcache as W
+from embedops_operator.runtime.cachedkube import CachedKube
+from embedops_operator.runtime.workqueue import WorkQueue
 
 
 def obj(name, rv, ns="ml", **labels):

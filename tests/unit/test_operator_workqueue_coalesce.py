@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from embedops_operator.workqueue import WorkQueue
+from embedops_operator.runtime.workqueue import WorkQueue
 
 
 def test_events_during_a_reconcile_wait_one_window_and_merge():

@@ -19,14 +19,13 @@ nothing else. Each change of the cache calls `on_event(type, old, new)` from the
   deleted object came back into the cache for good, and its service was reconciled forever, its children
   created again after each garbage collection (a CI failure of 2026-12-05, tests/integration/test_bad_manifests.py).
 
-The transport is two callables (see `Kube.list_page` / `Kube.watch_stream` in apply.py), so tests can fake it.
+The transport is two callables (see `Client.lister` / `Client.watcher` in client.py), so tests can fake it.
 """
 from __future__ import annotations
 
 import logging
 import random
 import threading
-import time
 from typing import Callable, Iterable, Iterator
 
 log = logging.getLogger("embedops.watchcache")
@@ -86,7 +85,7 @@ class Informer:
         self._reflected: int | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()  # ends a retry back-off early (the API server is reachable again)
-        # apply.ApiHealth or None: failures that mean "API server unavailable" are reported there (one
+        # client.ApiHealth or None: failures that mean "API server unavailable" are reported there (one
         # rate-limited line for the whole operator) instead of a warning per informer per retry
         self.health = health
         self._synced = threading.Event()

@@ -1,6 +1,6 @@
 """The reconciler's view of the cluster: reads from watch caches, writes to the API server.
 
-`CachedKube` has the interface of `apply.Kube` (get, list, apply, delete, patch_status, capabilities), so the
+`CachedKube` has the interface of `client.Client` (get, list, apply, delete, patch_status, capabilities), so the
 reconciler does not know whether it reads a cache. A kind whose informer has synced is read from memory; a
 kind without one, or whose informer has not listed yet (CRD not installed, no watch permission), is read
 from the API server as before. What the API server returns for our own writes is stored in the cache at

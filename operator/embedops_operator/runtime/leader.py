@@ -19,7 +19,7 @@ follower sees the last renewal up to one poll late, and polls once more after ex
 15/10/2 s that is 19 s, best case 13 s.
 
 Fencing: between the renew deadline passing and the process exiting, the reconcile threads could still write.
-Every write the operator's client sends first asks `holds()` (apply.Kube.fence): once this candidate has gone
+Every write the operator's client sends first asks `holds()` (client.Client.fence): once this candidate has gone
 `renew_deadline` without a successful renewal, writes are refused (LeadershipLost) before they reach the wire.
 
 Why not `kubernetes.leaderelection` (the official client has a LeaseLock): it uses the process-wide default
@@ -317,13 +317,13 @@ def run(operator: Callable[..., Awaitable[None]], args: argparse.Namespace, api_
     if api_client is None:
         from kubernetes import client as k8s
 
-        from .apply import Kube
+        from .client import Client
 
-        api_client = k8s.ApiClient(Kube.configuration())
+        api_client = k8s.ApiClient(Client.configuration())
     elector = Elector(api_client, config_from_args(args))
-    from .apply import Kube
+    from .client import Client
 
-    Kube.fence = elector.holds  # every write of the operator's client checks it first
+    Client.fence = elector.holds  # every write of the operator's client checks it first
 
     async def main() -> int:
         health = await _serve_healthz(liveness) if liveness else None
