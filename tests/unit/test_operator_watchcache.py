@@ -143,16 +143,31 @@ def test_not_served_kind_waits_quietly_then_lists(caplog):
 
 
 def test_own_writes_do_not_come_back_as_events():
+    """resourceVersions are opaque (compared for equality only): what is newer comes from the watch's order."""
     server, events = FakeServer(), []
     inf = informer(server, events)
     inf._replace([obj("a", 1)])
     inf.put(obj("a", 5))  # the API server's answer to our apply, stored before its watch event arrives
-    inf._apply_event("MODIFIED", obj("a", 5))
-    inf._apply_event("MODIFIED", obj("a", 3))  # an older event, late: does not regress the cache
+    inf._apply_event("MODIFIED", obj("a", 3))  # someone's change made before our write, delivered after its answer
+    assert inf.get("ml", "a")["metadata"]["resourceVersion"] == "5"  # not regressed
+    inf._apply_event("MODIFIED", obj("a", 5))  # our write's own event
     assert events == [("ADDED", "a")]
     inf._apply_event("MODIFIED", obj("a", 6))  # someone else's change
     assert events == [("ADDED", "a"), ("MODIFIED", "a")]
     assert inf.get("ml", "a")["metadata"]["resourceVersion"] == "6"
+    inf.put(obj("a", 5))  # an answer the watch delivered already (and something newer since): stale
+    assert inf.get("ml", "a")["metadata"]["resourceVersion"] == "6"
+    # versions need not be numbers, nor grow
+    inf._apply_event("MODIFIED", obj("a", "zz"))
+    inf.put(obj("a", "aa"))
+    inf._apply_event("MODIFIED", obj("a", "aa"))
+    assert inf.get("ml", "a")["metadata"]["resourceVersion"] == "aa"
+    assert events == [("ADDED", "a"), ("MODIFIED", "a"), ("MODIFIED", "a")]
+
+
+def with_uid(o, uid):
+    o["metadata"]["uid"] = uid
+    return o
 
 
 def test_a_write_answered_after_the_objects_deletion_does_not_bring_it_back():
@@ -161,20 +176,22 @@ def test_a_write_answered_after_the_objects_deletion_does_not_bring_it_back():
     come back for good: its service was reconciled forever, its children recreated after each collection)."""
     server, events = FakeServer(), []
     inf = informer(server, events)
-    inf._replace([obj("a", 4), obj("b", 4)], "4")
-    inf._apply_event("MODIFIED", obj("a", 5))
-    inf._apply_event("DELETED", obj("a", 6))
-    inf.put(obj("a", 5))
+    inf._replace([with_uid(obj("a", 4), "uid-a"), with_uid(obj("b", 4), "uid-b")])
+    inf._apply_event("MODIFIED", with_uid(obj("a", 5), "uid-a"))
+    inf._apply_event("DELETED", with_uid(obj("a", 6), "uid-a"))
+    inf.put(with_uid(obj("a", 5), "uid-a"))
     assert inf.get("ml", "a") is None
-    # a listing that no longer holds the object says the same: b was deleted before the listing at rv 9
-    inf._replace([obj("a", 8)], "9")
-    inf.put(obj("b", 7))
+    # the same when the deletion is seen by a listing (after a 410): b was deleted in the gap
+    inf._replace([with_uid(obj("a", 8), "uid-a2")])
+    inf.put(with_uid(obj("b", 7), "uid-b"))
     assert inf.get("ml", "b") is None
-    # a write newer than anything the cache reflects is stored (its watch event is still coming), and a
-    # deleted object written again (created anew) is stored too
-    inf.put(obj("c", 10))
-    inf.put(obj("b", 11))
-    assert inf.get("ml", "c") and inf.get("ml", "b")["metadata"]["resourceVersion"] == "11"
+    # an object created anew under a deleted one's name is stored (a new uid), and so is our own delete's
+    # object when it is created again
+    inf.put(with_uid(obj("b", 11), "uid-b2"))
+    assert inf.get("ml", "b")["metadata"]["resourceVersion"] == "11"
+    inf.drop("ml", "b")
+    inf.put(with_uid(obj("b", 10), "uid-b2"))  # a late answer to a write before our delete
+    assert inf.get("ml", "b") is None
 
 
 class LiveKube:

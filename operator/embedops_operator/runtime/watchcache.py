@@ -14,9 +14,13 @@ nothing else. Each change of the cache calls `on_event(type, old, new)` from the
   a listing succeeds, and then delivers every object as ADDED.
 - Writes of our own are stored with `put()` (the object the API server returned), so the watch event that
   follows carries the same resourceVersion and changes nothing: our writes do not come back as events.
-  A write's answer can arrive after the watch already delivered a newer change, a deletion included (a status
-  written just before a user deletes the EmbeddingService): `put()` then stores nothing. Without that, the
-  deleted object came back into the cache for good, and its service was reconciled forever, its children
+- resourceVersions are opaque (the API conventions: compare them for equality only), so what is newer is told
+  by the watch's order alone. The watch delivers each object's changes in order, so a write's answer is newer
+  than the cache exactly when the watch has not delivered its version yet: `put()` stores it then, and until its
+  event arrives the events for that object are older ones and change nothing. An answer whose version the watch
+  already delivered is stale (the watch may have delivered newer ones since), and one for an object deleted
+  since (its uid seen deleted: a status written just before a user deleted the EmbeddingService) is dropped:
+  storing it kept a deleted object in the cache for good, its service reconciled forever and its children
   created again after each garbage collection (a CI failure of 2026-12-05, tests/integration/test_bad_manifests.py).
 
 The transport is two callables (see `Client.lister` / `Client.watcher` in client.py), so tests can fake it.
@@ -26,6 +30,8 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
+from collections import OrderedDict, deque
 from typing import Callable, Iterable, Iterator
 
 log = logging.getLogger("embedops.watchcache")
@@ -43,11 +49,18 @@ def key_of(obj: dict) -> Key:
     return meta.get("namespace") or "", meta.get("name") or ""
 
 
-def _rv(obj: dict | None) -> int | None:
-    try:
-        return int(((obj or {}).get("metadata") or {}).get("resourceVersion"))
-    except (TypeError, ValueError):
-        return None
+def _rv(obj: dict | None) -> str | None:
+    """An object's resourceVersion: opaque, compared for equality only."""
+    return ((obj or {}).get("metadata") or {}).get("resourceVersion") or None
+
+
+def _uid(obj: dict | None) -> str | None:
+    return ((obj or {}).get("metadata") or {}).get("uid") or None
+
+
+RECENT_VERSIONS = 8  # versions per object the watch delivered, remembered to recognize a stale write answer
+GONE_UIDS = 4096  # uids of deleted objects, remembered to drop late write answers for them
+PENDING_SECONDS = 30.0  # how long a stored write answer waits for its watch event before events apply again
 
 
 def strip_managed_fields(obj: dict) -> dict:
@@ -80,9 +93,11 @@ class Informer:
         self._items: dict[Key, dict] = {}
         self._lock = threading.Lock()
         self._rv: str | None = None
-        # the newest resourceVersion the cache reflects (a listing's, or the last event's), as a number: an
-        # object absent from the cache whose own version is not newer was deleted meanwhile (see put)
-        self._reflected: int | None = None
+        # what tells a write's answer from the watch's order (see put): the versions the watch delivered per
+        # object, the uids of objects deleted, and the answers stored before their event (key -> version, when)
+        self._recent: dict[Key, deque[str]] = {}
+        self._gone: OrderedDict[str, None] = OrderedDict()
+        self._pending: dict[Key, tuple[str, float]] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()  # ends a retry back-off early (the API server is reachable again)
         # client.ApiHealth or None: failures that mean "API server unavailable" are reported there (one
@@ -144,25 +159,39 @@ class Informer:
 
     # ------------------------------------------------------------------ our own writes
     def put(self, obj: dict) -> None:
-        """Store an object the API server returned for our write, unless the cache already holds a newer version
-        of it, or holds none although it reflects a version at least as new (the object was deleted since: its
-        DELETED event, or a listing without it, came before this answer). Storing nothing is always safe: the
-        watch delivers the object's newest version anyway; storing a stale one would keep a deleted object."""
+        """Store an object the API server returned for our write, unless the watch delivered that version
+        already (the cache holds it, or something newer) or the object was deleted since. Storing nothing is
+        always safe: the watch delivers the object's newest version anyway; storing a stale one is not."""
         obj = self.transform(obj)
         k = key_of(obj)
-        new_rv = _rv(obj)
+        rv = _rv(obj)
         with self._lock:
-            old = self._items.get(k)
-            if new_rv is not None:
-                if old is None and self._reflected is not None and new_rv <= self._reflected:
-                    return
-                if old is not None and _rv(old) is not None and _rv(old) > new_rv:
-                    return
+            if _uid(obj) in self._gone or (rv is not None and rv in self._recent.get(k, ())):
+                return
             self._set(k, obj)
+            if rv is not None:
+                self._pending[k] = (rv, time.monotonic())
 
     def drop(self, namespace: str, name: str) -> None:
+        """Our own delete: the object leaves the cache, and a late answer to an earlier write cannot bring it back."""
+        k = (namespace or "", name)
         with self._lock:
-            self._set((namespace or "", name), None)
+            self._forget(k, self._items.get(k))
+            self._set(k, None)
+
+    # the bookkeeping of put (callers hold the lock)
+    def _delivered(self, k: Key, rv: str | None) -> None:
+        if rv is not None:
+            self._recent.setdefault(k, deque(maxlen=RECENT_VERSIONS)).append(rv)
+
+    def _forget(self, k: Key, obj: dict | None) -> None:
+        self._recent.pop(k, None)
+        self._pending.pop(k, None)
+        uid = _uid(obj)
+        if uid is not None:
+            self._gone[uid] = None
+            while len(self._gone) > GONE_UIDS:
+                self._gone.popitem(last=False)
 
     # ------------------------------------------------------------------ applying changes
     def _emit(self, etype: str, old: dict | None, new: dict | None) -> None:
@@ -178,36 +207,41 @@ class Informer:
         k = key_of(obj)
         with self._lock:
             old = self._items.get(k)
-            self._reflect(_rv(obj))
             if etype == "DELETED":
+                self._forget(k, old or obj)
                 self._set(k, None)
             else:
-                new_rv, old_rv = _rv(obj), _rv(old)
-                if old is not None and new_rv is not None and old_rv is not None and old_rv >= new_rv:
-                    return  # our own write already stored this (or a newer) version
+                rv = _rv(obj)
+                self._delivered(k, rv)
+                pending = self._pending.get(k)
+                if pending is not None and time.monotonic() - pending[1] < PENDING_SECONDS:
+                    if rv == pending[0]:
+                        del self._pending[k]  # our own write's event: the cache holds it already
+                    return  # or a change older than our write, whose answer the cache holds
+                self._pending.pop(k, None)
+                if old is not None and rv is not None and rv == _rv(old):
+                    return  # the version the cache holds
                 self._set(k, obj)
         if etype == "DELETED":
             self._emit("DELETED", old or obj, None)
         else:
             self._emit("ADDED" if old is None else "MODIFIED", old, obj)
 
-    def _reflect(self, rv: int | None) -> None:
-        """The cache now reflects the API server at `rv` (callers hold the lock)."""
-        if rv is not None and (self._reflected is None or rv > self._reflected):
-            self._reflected = rv
-
-    def _replace(self, listed: list[dict], rv: str | None = None) -> None:
-        """A fresh listing (at resourceVersion `rv`): the cache becomes exactly it; the differences are
-        delivered as events."""
+    def _replace(self, listed: list[dict]) -> None:
+        """A fresh listing: the cache becomes exactly it; the differences are delivered as events."""
         fresh = {}
         for raw in listed:
             obj = self.transform(raw)
             fresh[key_of(obj)] = obj
         with self._lock:
             old_items, self._items, self._index = self._items, {}, {}
-            self._reflect(_rv({"metadata": {"resourceVersion": rv}}))
+            self._pending.clear()  # the listing is the truth now (a write after it arrives by the watch)
+            for k, old in old_items.items():
+                if k not in fresh or _uid(fresh[k]) != _uid(old):
+                    self._forget(k, old)  # deleted in the gap (or deleted and created again)
             for k, obj in fresh.items():
                 self._set(k, obj)
+                self._delivered(k, _rv(obj))
         for k, old in old_items.items():
             if k not in fresh:
                 self._emit("DELETED", old, None)
@@ -215,7 +249,7 @@ class Informer:
             old = old_items.get(k)
             if old is None:
                 self._emit("ADDED", None, obj)
-            elif _rv(old) is None or _rv(obj) is None or _rv(obj) > _rv(old):
+            elif _rv(old) is None or _rv(obj) != _rv(old):
                 self._emit("MODIFIED", old, obj)
 
     # ------------------------------------------------------------------ the loop
@@ -250,7 +284,7 @@ class Informer:
                 break
         self.lists += 1
         self._rv = rv
-        self._replace(items, rv)
+        self._replace(items)
         if self.waiting_reason:
             log.info("%s: listed after waiting (%s)", self.name, self.waiting_reason)
             self.waiting_reason = None
@@ -276,10 +310,7 @@ class Informer:
                 if etype in ("ADDED", "MODIFIED", "DELETED"):
                     self._apply_event(etype, obj)
                 if rv:
-                    self._rv = rv  # BOOKMARK events only move this (and what the cache reflects)
-                    if etype == "BOOKMARK":
-                        with self._lock:
-                            self._reflect(_rv(obj))
+                    self._rv = rv  # BOOKMARK events only move this
         finally:
             self._closer = None
 
