@@ -18,9 +18,10 @@ from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
 from . import apply, litellm, memory, render, spaces, status, upgrades
+from .intent import Intent
 from .runtime.client import unavailable_reason
 from .runtime.delayed import DelayedCalls
-from .spec import API_VERSION, KIND, parse as parse_resource
+from .spec import API_VERSION, KIND
 
 log = logging.getLogger("embedops.reconcile")
 SPACES_MANAGER = "embedops-spaces"  # the field manager of the tracks' serving/retired annotations
@@ -102,11 +103,13 @@ class Reconciler:
             observed = status.Observed()
             manifests: list[dict] | None = None
             plan: spaces.Plan | None = None
+            intent: Intent | None = None
             try:
-                plan = self.space_plan(resource, options)
-                tracks = self.tracks(resource, plan)
-                pins = self.pins((namespace, name), resource, options, observed, tracks)
-                manifests = render.render(resource, options, pins, tracks)
+                intent = Intent.of(resource, options)  # the one parse of this reconcile
+                plan = self.space_plan(intent)
+                tracks = self.tracks(intent, plan)
+                pins = self.pins(intent, observed, tracks)
+                manifests = render.render(resource, options, pins, tracks, parsed=intent.es)
                 if not apply_children and pins.server.give_up_first and self._surge_refusal_unwritten(manifests):
                     apply_children = True  # a pod event found the surge pod unschedulable: switch the rollout now
             except ValidationError as exc:
@@ -115,15 +118,14 @@ class Reconciler:
             if manifests is not None:
                 # a spec that cannot fit its memory or MIG slice is refused before anything is applied: its
                 # pods would only be OOM-killed or never load (the status says what it needs)
-                spec = parse_resource(resource).spec
-                observed.refused = memory.refusal(spec, render.sizing_of(spec))
+                observed.refused = memory.refusal(intent.spec, intent.sizing)
             if manifests is not None and observed.refused is None:
-                observed.missing = render.missing_capabilities(resource, options)
+                observed.missing = render.missing_capabilities(intent.spec, options)
                 if apply_children:
                     try:
                         # before the Service's selector moves: a track that stops serving is marked first, so a
                         # failure between the two never leaves a served space looking like an abandoned candidate
-                        marked = self._record_tracks(resource, plan)
+                        marked = self._record_tracks(intent, plan)
                         applied = apply.apply_all(self.kube, manifests, name)
                         written = marked + applied.written
                         observed.conflicts = [c.message() for c in applied.conflicts]
@@ -169,7 +171,7 @@ class Reconciler:
                 observed.route = self.kube.get(*render.HTTPROUTE, namespace, name)
             serving = plan.serving.name if plan is not None else name
             observed.deployment = self.kube.get("apps/v1", "Deployment", namespace, serving)
-            if manifests is not None and render.scales_to_zero(spec, options):  # spec: parsed above
+            if manifests is not None and intent.scales_to_zero:
                 observed.activator = self.kube.get("apps/v1", "Deployment", namespace, render.activator_name(name))
             pods = self.kube.list("v1", "Pod", namespace, f"{render.LABEL_SERVICE}={name}")
             by_track: dict[str, list[dict]] = {}
@@ -177,10 +179,10 @@ class Reconciler:
                 by_track.setdefault(((pod.get("metadata") or {}).get("labels") or {}).get(render.LABEL_INSTANCE), []
                                     ).append(pod)
             observed.pods = by_track.get(serving, [])
-            if plan is not None and render.detect_task(spec.model) in spaces.MIGRATING_TASKS:
-                observed.spaces = self._space_status(resource, plan, by_track, options)
+            if plan is not None and intent.task in spaces.MIGRATING_TASKS:
+                observed.spaces = self._space_status(intent, plan, by_track)
                 observed.space_waiting = plan.waiting
-            written = self.write_status(resource, observed, options)
+            written = self.write_status(resource, observed, options, intent)
             self._release_upgrade((namespace, name), written or resource.get("status") or {})
             wait = status.stall_check_in(observed.pods, dt.datetime.now(dt.timezone.utc), self.settings.stall_after)
             if wait is not None:
@@ -188,15 +190,13 @@ class Reconciler:
             return written
 
     # ------------------------------------------------------------------ pod templates across operator upgrades
-    def pins(self, key: tuple[str, str], resource: dict, options: render.Options,
-             observed: status.Observed, tracks: render.Tracks) -> render.Pins:
+    def pins(self, intent: Intent, observed: status.Observed, tracks: render.Tracks) -> render.Pins:
         """What the service's Deployments are rendered with besides the spec (upgrades.py): a running Deployment
         keeps the template revision and image it was written with until its spec changes the template, or until
         the operator rolls it (pod upgrades "Roll": at most `max_concurrent_upgrades` services at a time)."""
-        spec = parse_resource(resource).spec
-        ns, name = key
-        owner = render.owner_reference(resource)
-        live = self._own_deployment(resource, tracks.spec)
+        spec, options, owner = intent.spec, intent.options, intent.owner
+        ns, name = key = intent.namespace, intent.name
+        live = self._own_deployment(intent, tracks.spec)
         render_at = lambda pin: render.deployment(name, ns, spec, options, owner, pin, tracks.spec,  # noqa: E731
                                                   tracks.replicas)
         server = self._choose(key, options, live, render_at, observed, "server")
@@ -205,62 +205,58 @@ class Reconciler:
         if not spec.accelerator.cpu and not fixed:
             server = dataclasses.replace(server, give_up_first=self._surge_refused(ns, live, lambda: render_at(server)))
         activator = render.Pin()
-        if render.scales_to_zero(spec, options):
-            activator = self._choose(key, options, self._own_deployment(resource, render.activator_name(name)),
+        if intent.scales_to_zero:
+            activator = self._choose(key, options, self._own_deployment(intent, render.activator_name(name)),
                                      lambda pin: render.activator_deployment(name, ns, spec, options, owner, pin),
                                      observed, "activator")
         return render.Pins(server, activator)
 
     # ------------------------------------------------------------------ embedding spaces (spaces.py)
-    def space_plan(self, resource: dict, options: render.Options) -> spaces.Plan:
+    def space_plan(self, intent: Intent) -> spaces.Plan:
         """Which model Deployment serves the service's address and which the spec renders: one, but while a change
         of the embedding space is under way."""
-        es = parse_resource(resource)
-        spec, meta = es.spec, resource["metadata"]
-        ns, name, uid = meta["namespace"], meta["name"], meta.get("uid")
+        spec, options = intent.spec, intent.options
+        ns, name, uid = intent.namespace, intent.name, intent.uid
         decl = spaces.declaration(render.deployment(name, ns, spec, options, None))
         selector = f"{render.LABEL_SERVICE}={name},{render.LABEL_NAME}=embedops-server"
         live = [d for d in self.kube.list("apps/v1", "Deployment", ns, selector)
                 if (apply.controller_of(d) or {}).get("uid") == uid]
-        model_service = render.backend_name(name) if render.scales_to_zero(spec, options) else name
+        model_service = render.backend_name(name) if intent.scales_to_zero else name
         svc = self.kube.get("v1", "Service", ns, model_service)
         serving = None
         if svc is not None and (apply.controller_of(svc) or {}).get("uid") == uid:
             serving = ((svc.get("spec") or {}).get("selector") or {}).get(render.LABEL_INSTANCE)
-        served = frozenset(x.get("key") for x in (resource.get("status") or {}).get("spaces") or []
+        served = frozenset(x.get("key") for x in intent.status.get("spaces") or []
                            if x.get("serving") and x.get("since"))
-        job = self._reindex_job(resource, spaces.key_of(decl)) if spec.migration.reindex else None
-        return spaces.plan(name, render.detect_task(spec.model), decl, live, serving, spec.migration,
+        job = self._reindex_job(intent, spaces.key_of(decl)) if spec.migration.reindex else None
+        return spaces.plan(name, intent.task, decl, live, serving, spec.migration,
                            reindex_state(job), dt.datetime.now(dt.timezone.utc), served)
 
-    def _reindex_job(self, resource: dict, key: str) -> dict | None:
+    def _reindex_job(self, intent: Intent, key: str) -> dict | None:
         """The space's reindex Job: the one of the current template, else the newest (whose environment a new one
         keeps)."""
-        meta = resource["metadata"]
-        selector = f"{render.LABEL_SERVICE}={meta['name']},{render.LABEL_SPACE}={key}"
-        jobs = [j for j in self.kube.list("batch/v1", "Job", meta["namespace"], selector)
-                if (apply.controller_of(j) or {}).get("uid") == meta.get("uid")]
-        spec = parse_resource(resource).spec
-        current = render.reindex_job_name(meta["name"], key, render.reindex_digest(spec)) if spec.migration.reindex \
+        selector = f"{render.LABEL_SERVICE}={intent.name},{render.LABEL_SPACE}={key}"
+        jobs = [j for j in self.kube.list("batch/v1", "Job", intent.namespace, selector)
+                if (apply.controller_of(j) or {}).get("uid") == intent.uid]
+        spec = intent.spec
+        current = render.reindex_job_name(intent.name, key, render.reindex_digest(spec)) if spec.migration.reindex \
             else None
         return max(jobs, key=lambda j: (j["metadata"]["name"] == current, j["metadata"].get("creationTimestamp") or ""),
                    default=None)
 
-    def tracks(self, resource: dict, plan: spaces.Plan) -> render.Tracks:
-        es = parse_resource(resource)
-        spec, meta = es.spec, resource["metadata"]
+    def tracks(self, intent: Intent, plan: spaces.Plan) -> render.Tracks:
+        spec = intent.spec
         replicas = None
         if plan.spec is not plan.serving:  # a candidate: fixed replicas (the autoscaler scales the serving track)
             replicas = max(spec.autoscaling.min_replicas, 1) if spec.autoscaling else max(spec.replicas, 1)
         return render.Tracks(plan.spec.name, plan.serving.name, replicas,
                              tuple((t.key, t.name) for t in plan.tracks) if plan.migrating else (),
-                             self._reindex_env(resource, plan) if spec.migration.reindex and plan.migrating else None)
+                             self._reindex_env(intent, plan) if spec.migration.reindex and plan.migrating else None)
 
-    def _reindex_env(self, resource: dict, plan: spaces.Plan) -> tuple[tuple[str, str], ...] | None:
+    def _reindex_env(self, intent: Intent, plan: spaces.Plan) -> tuple[tuple[str, str], ...] | None:
         """The reindex Job's environment: once its Job exists, what it was created with (a Job's template cannot
         change); before, only when the new space's replicas are all up and report their fingerprint."""
-        meta = resource["metadata"]
-        live = self._reindex_job(resource, plan.spec.key)
+        live = self._reindex_job(intent, plan.spec.key)
         if live is not None:
             containers = (((live.get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers") or [{}]
             env = {e["name"]: e.get("value", "") for e in containers[0].get("env") or []
@@ -268,22 +264,21 @@ class Reconciler:
             return tuple(sorted(env.items())) if "EMBEDOPS_SPACE" in env else None
         if plan.spec is plan.serving or not plan.spec.up:
             return None
-        before = {x.get("key"): x for x in (resource.get("status") or {}).get("spaces") or []}
+        before = {x.get("key"): x for x in intent.status.get("spaces") or []}
         fingerprint = (before.get(plan.spec.key) or {}).get("fingerprint")
         if not fingerprint or "," in fingerprint:  # not reported yet, or its replicas disagree: wait
             return None
-        spec = parse_resource(resource).spec
-        url = lambda key: render.service_url(spaces.space_service_name(meta["name"], key), meta["namespace"],  # noqa: E731
-                                             spec, self.options())
+        url = lambda key: render.service_url(spaces.space_service_name(intent.name, key), intent.namespace,  # noqa: E731
+                                             intent.spec, intent.options)
         return (("EMBEDOPS_PREVIOUS_SPACE", plan.serving.key), ("EMBEDOPS_PREVIOUS_SPACE_URL", url(plan.serving.key)),
                 ("EMBEDOPS_SPACE", plan.spec.key), ("EMBEDOPS_SPACE_FINGERPRINT", fingerprint),
                 ("EMBEDOPS_SPACE_URL", url(plan.spec.key)))
 
-    def _record_tracks(self, resource: dict, plan: spaces.Plan) -> list[str]:
+    def _record_tracks(self, intent: Intent, plan: spaces.Plan) -> list[str]:
         """When a track stopped serving (an annotation on its Deployment under its own field manager: nothing rolls;
         a track that serves again after a rollback loses it), and the plan's events."""
         now = status.format_time(dt.datetime.now(dt.timezone.utc))
-        ns = resource["metadata"]["namespace"]
+        ns = intent.namespace
         written = []
         marks = [(plan.serving, None)] + [(t, now) for t in plan.previous]
         for track, retired in marks:
@@ -298,15 +293,14 @@ class Reconciler:
             self.kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta}, manager=SPACES_MANAGER)
             written.append(f"Deployment/{track.name} ({'retired' if retired else 'serving again'})")
         for kind, reason, message in plan.events:
-            self.kube.event(resource, kind, reason, message)
-            log.info("%s/%s: %s: %s", ns, resource["metadata"]["name"], reason, message)
+            self.kube.event(intent.resource, kind, reason, message)
+            log.info("%s/%s: %s: %s", ns, intent.name, reason, message)
         return written
 
-    def _space_status(self, resource: dict, plan: spaces.Plan, pods: dict[str, list[dict]],
-                      options: render.Options) -> list[dict]:
-        es = parse_resource(resource)
-        ns, name = resource["metadata"]["namespace"], resource["metadata"]["name"]
-        before = (resource.get("status") or {}).get("spaces") or []
+    def _space_status(self, intent: Intent, plan: spaces.Plan, pods: dict[str, list[dict]]) -> list[dict]:
+        spec, options = intent.spec, intent.options
+        ns, name = intent.namespace, intent.name
+        before = intent.status.get("spaces") or []
         now = status.format_time(dt.datetime.now(dt.timezone.utc))
         out = []
         for t in plan.tracks:
@@ -320,16 +314,16 @@ class Reconciler:
             else:
                 served = track.annotation(spaces.ANNOTATION_RETIRED) if role == "previous" else None
             reindex = None
-            if t is plan.spec and es.spec.migration.reindex is not None and plan.migrating:
-                job = self._reindex_job(resource, t.key)
+            if t is plan.spec and spec.migration.reindex is not None and plan.migrating:
+                job = self._reindex_job(intent, t.key)
                 reindex = f"Job {job['metadata']['name']}: {reindex_state(job)}" if job else "waits for the space"
             entry = {"key": t.key, "model": spaces.describe(t.decl), "deployment": t.name, "reindex": reindex,
                      "fingerprint": status.served_space(pods.get(t.name, [])), "ready": f"{available}/{want}",
                      "serving": t is plan.serving, "role": role, "since": served}
             if plan.migrating:
-                entry["url"] = render.service_url(spaces.space_service_name(name, t.key), ns, es.spec, options)
-                if es.spec.gateway is not None:
-                    entry["gatewayPath"] = render.space_gateway_path(es.spec, t.key)
+                entry["url"] = render.service_url(spaces.space_service_name(name, t.key), ns, spec, options)
+                if spec.gateway is not None:
+                    entry["gatewayPath"] = render.space_gateway_path(spec, t.key)
             out.append({k: v for k, v in entry.items() if v is not None})
         return out
 
@@ -366,9 +360,9 @@ class Reconciler:
         return have.get(render.ANNOTATION_SURGE_REFUSED) != dep["metadata"]["annotations"].get(
             render.ANNOTATION_SURGE_REFUSED)
 
-    def _own_deployment(self, resource: dict, name: str) -> dict | None:
-        live = self.kube.get("apps/v1", "Deployment", resource["metadata"]["namespace"], name)
-        if live is None or (apply.controller_of(live) or {}).get("uid") != resource["metadata"].get("uid"):
+    def _own_deployment(self, intent: Intent, name: str) -> dict | None:
+        live = self.kube.get("apps/v1", "Deployment", intent.namespace, name)
+        if live is None or (apply.controller_of(live) or {}).get("uid") != intent.uid:
             return None  # none yet, or someone else's (a conflict the apply reports)
         return live
 
@@ -452,8 +446,11 @@ class Reconciler:
             if unavailable_reason(exc) is None:
                 log.exception("status recheck of %s/%s failed", *key)
 
-    def write_status(self, resource: dict, observed: status.Observed, options: render.Options) -> dict | None:
-        new = status.normalized(status.compute(resource, observed, options, stall_after=self.settings.stall_after))
+    def write_status(self, resource: dict, observed: status.Observed, options: render.Options,
+                     intent: Intent | None = None) -> dict | None:
+        """`intent`: the resource parsed (None: its spec did not parse, and the status says why)."""
+        new = status.normalized(status.compute(resource, observed, options, stall_after=self.settings.stall_after,
+                                               parsed=intent.spec if intent is not None else None))
         if new == status.normalized(resource.get("status")):
             return None
         try:

@@ -16,7 +16,7 @@ from jinja2 import Environment, StrictUndefined
 from embedops_server import sizing
 
 from . import memory
-from .spec import API_VERSION, EmbeddingServiceSpec, GFD_PRODUCT, KIND, ModelSpec, NFD_CPUID, parse as parse_resource
+from .spec import API_VERSION, EmbeddingService, EmbeddingServiceSpec, GFD_PRODUCT, KIND, ModelSpec, NFD_CPUID, parse as parse_resource
 
 MANAGER = "embedops"
 SERVER_PORT = 8080
@@ -1123,7 +1123,7 @@ def owner_reference(resource: dict) -> dict | None:
 
 
 def render(resource: dict, options: Options | None = None, pins: Pins | None = None,
-           tracks: Tracks | None = None) -> list[dict]:
+           tracks: Tracks | None = None, parsed: EmbeddingService | None = None) -> list[dict]:
     """All manifests the operator applies for this EmbeddingService, in apply order.
 
     Optional kinds absent from `options.capabilities` are left out (status reports them).
@@ -1133,10 +1133,11 @@ def render(resource: dict, options: Options | None = None, pins: Pins | None = N
     `tracks`: which model Deployment the spec renders and which one the service's address serves (default: one,
     the service's own name; the reconciler passes spaces.plan's during a change of the embedding space). Only
     the spec's track is rendered: another one that still runs (the previous space) is left as it is.
+    `parsed`: `resource` already parsed (the reconciler's Intent), else it is parsed here.
     """
     options = options or Options()
     pins = pins or Pins()
-    es = parse_resource(resource)
+    es = parsed or parse_resource(resource)
     name = es.metadata["name"]
     ns = es.metadata.get("namespace") or "default"
     spec = es.spec
@@ -1181,9 +1182,8 @@ def render(resource: dict, options: Options | None = None, pins: Pins | None = N
     return out
 
 
-def missing_capabilities(resource: dict, options: Options) -> dict[str, str]:
+def missing_capabilities(spec: EmbeddingServiceSpec, options: Options) -> dict[str, str]:
     """Requested optional features whose CRD is not installed: {feature: kind}."""
-    spec = parse_resource(resource).spec
     missing: dict[str, str] = {}
     if spec.monitoring.service_monitor.enabled and SERVICEMONITOR not in options.capabilities:
         missing["monitoring"] = SERVICEMONITOR[1]

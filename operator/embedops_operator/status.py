@@ -144,7 +144,10 @@ def _condition(old: dict[str, dict], ctype: str, status: str, reason: str, messa
 
 
 def compute(resource: dict, observed: Observed, options: render.Options | None = None,
-            now: dt.datetime | None = None, stall_after: float = 60.0) -> dict:
+            now: dt.datetime | None = None, stall_after: float = 60.0,
+            parsed: EmbeddingServiceSpec | None = None) -> dict:
+    """The status of `resource` from what a reconcile observed; a pure function: it changes neither argument.
+    `parsed`: the resource's spec already parsed (the reconciler's Intent), else it is parsed here."""
     options = options or render.Options()
     now = now or dt.datetime.now(dt.timezone.utc)
     meta = resource.get("metadata") or {}
@@ -158,11 +161,13 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
     def cond(ctype: str, st: str, reason: str, message: str) -> None:
         conditions.append(_condition(old, ctype, st, reason, message, generation, now))
 
-    try:
-        spec = parse_resource(resource).spec
-    except Exception as exc:  # noqa: BLE001 - any parse error is an invalid spec
-        spec = None
-        observed.invalid = observed.invalid or f"spec rejected by the operator: {exc}"
+    invalid = observed.invalid
+    spec = parsed
+    if spec is None:
+        try:
+            spec = parse_resource(resource).spec
+        except Exception as exc:  # noqa: BLE001 - any parse error is an invalid spec
+            invalid = invalid or f"spec rejected by the operator: {exc}"
 
     serving_space = next((x for x in observed.spaces if x.get("serving")), None)
     if spec is not None:
@@ -199,8 +204,8 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
     served = _served_model(observed.pods)
     if served:
         status["model"] = served
-    if observed.invalid:
-        stalled = ("InvalidSpec", observed.invalid)
+    if invalid:
+        stalled = ("InvalidSpec", invalid)
     elif observed.refused:
         stalled = observed.refused
     elif observed.conflicts:

@@ -670,3 +670,26 @@ def test_pod_upgrades_roll_at_most_n_services_at_a_time_each_ready_before_the_ne
     rec.reconcile("ml", "b")
     rec.reconcile("ml", "c")
     assert [revision(n) for n in ("b", "c")] == [str(R.TEMPLATE_REVISION), "0"]
+
+
+def test_one_reconcile_parses_the_manifest_once_and_status_changes_nothing_it_is_given(kube, monkeypatch):
+    """One typed intent per reconcile (intent.py): the manifest is parsed once, whatever the steps (spaces, pins,
+    render, memory refusal, missing CRDs, status); status.compute leaves the observations it is given as they were."""
+    from embedops_operator import spec as S
+    from embedops_operator import status as ST
+
+    kube.create_service(copy.deepcopy(CPU))
+    rec = Reconciler(kube, Settings())
+    rec.reconcile("ml", "svc")  # first: children created
+    parses = []
+    real = S.EmbeddingService.model_validate
+    monkeypatch.setattr(S.EmbeddingService, "model_validate",
+                        classmethod(lambda cls, obj, *a, **kw: parses.append(1) or real(obj, *a, **kw)))
+    kube.update_spec("svc", "ml", dict(copy.deepcopy(CPU), replicas=2))
+    assert rec.reconcile("ml", "svc") is not None
+    assert len(parses) == 1
+    observed = ST.Observed(invalid=None)
+    bad = {"metadata": {"name": "x", "namespace": "ml", "generation": 1}, "spec": {"model": 5}}
+    out = ST.compute(bad, observed)
+    assert observed.invalid is None  # the verdict is in the status, not written into the caller's observations
+    assert any(c["reason"] == "InvalidSpec" for c in out["conditions"])

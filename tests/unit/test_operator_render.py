@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from embedops_operator import render as R
+from embedops_operator.spec import parse
 from embedops_operator.validate import defaulted, validate
 from tests.unit.operator_helpers import (CPU, EXAMPLES, GPU, MIG, REPO, arg, by_kind, container, es, example,
                                          pod_spec)
@@ -244,10 +245,10 @@ def test_missing_capabilities():
     spec = copy.deepcopy(MIG)
     spec["gateway"] = {"parentRefs": [{"name": "gw"}]}
     spec["autoscaling"] = {"maxReplicas": 3, "provider": "keda"}
-    res = defaulted(es(spec))
-    assert R.missing_capabilities(res, NO_OPTIONAL) == {"monitoring": "ServiceMonitor", "routes": "HTTPRoute",
-                                                        "autoscaling": "ScaledObject"}
-    assert R.missing_capabilities(res, R.Options()) == {}
+    parsed = parse(defaulted(es(spec))).spec
+    assert R.missing_capabilities(parsed, NO_OPTIONAL) == {"monitoring": "ServiceMonitor", "routes": "HTTPRoute",
+                                                           "autoscaling": "ScaledObject"}
+    assert R.missing_capabilities(parsed, R.Options()) == {}
 
 
 @pytest.mark.parametrize("task,paths", [
