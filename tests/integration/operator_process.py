@@ -30,6 +30,15 @@ class OperatorProcess:
     """`python -m embedops_operator.cli run ...` with its own log file; killed by PID (its own session)."""
 
     def __init__(self, name: str, kubeconfig: str, log_dir: Path, args: list[str], env: dict | None = None):
+        # the operator's defaults bind 0.0.0.0:8080 (liveness) and :8081 (metrics); `make test` runs these tests
+        # beside the cluster lane's, so a test that does not ask for them gets no liveness and a free metrics port
+        given = {a.split("=", 1)[0] for a in args}
+        if "--liveness" not in given:
+            args = [*args, "--liveness="]
+        if "--metrics-address" not in given:
+            from localcluster.pki import free_port
+
+            args = [*args, f"--metrics-address=127.0.0.1:{free_port()}"]
         self.name, self.kubeconfig, self.args = name, kubeconfig, args
         self.log_path = log_dir / f"{name}.log"
         self.env = env or {}
