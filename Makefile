@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 HOSTPY ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: setup host-packages cluster-binaries demo-binaries test demo demo-down e2e-kind bench lint images
+.PHONY: setup host-packages cluster-binaries demo-binaries test test-fast demo demo-down e2e-kind bench lint images
 
 setup:
 	./scripts/setup.sh
@@ -33,6 +33,11 @@ demo-binaries:
 test:
 	$(MAKE) --no-print-directory -j3 setup host-packages cluster-binaries
 	PY=$(PY) ./scripts/test-lanes.sh $(PYTEST_ARGS)
+
+# The developer's fast loop: the operator's unit tests and the server's quick ones (no cluster, no `slow` module:
+# tests/conftest.py SLOW_MODULES), about 2 minutes on 2 cores. `make test` runs everything.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not cluster_lane" tests/unit tests/server tests/bench $(PYTEST_ARGS)
 
 # The server (CPU) and operator images, built with podman from a debootstrap base and a host wheelhouse,
 # cached in ~/.cache/embedops/images (docs/images.md); prints the refs and containerd archives as JSON.

@@ -45,6 +45,12 @@ NO_CLUSTER_FILES = ("tests/cluster/test_build_script.py",)  # runs the built bin
 
 
 LAST_DIRS = ("tests/integration/",)  # the local lane's control plane starts once its CPU-bound tests are done
+# The developer's fast loop (`make test-fast`: tests/unit, tests/server, tests/bench without `slow`) leaves out these
+# server modules, the ones of 10 s or more (measured 2026-12-05: slow clients 81 s, contract 36, load 36, the CPU cost
+# model 22, activator 21, architectures 17, prepared cache 16, lanes 16, bge-m3 14, space 12); `make test` runs them.
+SLOW_MODULES = tuple(f"tests/server/{m}.py" for m in (
+    "test_slow_clients", "test_contract", "test_load", "test_cpu_cost_model", "test_activator", "test_architectures",
+    "test_prepared_cache", "test_lanes", "test_m3", "test_space"))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,6 +58,8 @@ def pytest_collection_modifyitems(config, items):
         rel = item.path.relative_to(REPO).as_posix()
         if rel.startswith(CLUSTER_LANE_DIRS) and rel not in NO_CLUSTER_FILES:
             item.add_marker(pytest.mark.cluster_lane)
+        if rel in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
     # a stable sort: each module's tests stay together and in order
     items.sort(key=lambda item: item.path.relative_to(REPO).as_posix().startswith(LAST_DIRS))
 
