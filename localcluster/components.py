@@ -267,6 +267,20 @@ COMPONENTS: tuple[Component, ...] = (
                    stamped_version="v2.1.0"),),
         ("kube-router",), version_check=("--version",),
         about="enforces NetworkPolicy on the real node (its firewall controller only)"),
+    # The kind node image built here (issue 40, localcluster/kindnode.py): kubeadm and kubectl of the same
+    # Kubernetes release as the k8s multi-call binary, and CoreDNS with the plugins of kubeadm's Corefile
+    Component(
+        "kind-tools", KUBERNETES_VERSION,
+        (GoMain("kind-tools", "kind-tools", "k8s.io/kubernetes", kubernetes_version_flags=True),), ("kind-tools",),
+        version_check=("kubeadm", "version", "-o", "short"), aliases=("kubeadm", "kubectl"),
+        about="kubeadm and kubectl (one multi-call binary) for the kind node image"),
+    Component(
+        "coredns-kind", "v1.15.0", (GoMain("coredns-full", "coredns", "github.com/coredns/coredns", cgo=False),),
+        ("coredns",), version_check=("-version",),
+        about="CoreDNS with the plugins kubeadm's Corefile uses (forward, loop, reload, ...), for kind nodes"),
+    Component(
+        "kind", "v0.30.0", (GoInstall("sigs.k8s.io/kind", "kind", cgo=False),), ("kind",), version_check=("version",),
+        about="kind (v0.31 drops cgroup v1 hosts), with podman as its provider here: make e2e-kind"),
     # The GitHub workflow users' CI runs (.github/workflows), checked in `make test` (issue 40)
     Component(
         "actionlint", "v1.7.12", (GoInstall("github.com/rhysd/actionlint/cmd/actionlint", "actionlint", cgo=False),),
@@ -295,11 +309,13 @@ BY_NAME = {c.name: c for c in COMPONENTS}
 CRDS = ("prometheus-operator-crds", "gateway-api", "keda")
 CONTROL_PLANE = ("k8s", "kwok", "etcd")
 DEMO = (*CONTROL_PLANE, "coredns", "kube-router", *CRDS)
-TESTS = tuple(c.name for c in COMPONENTS)
+# `make e2e-kind` (localcluster/kindnode.py): not in the tests' set, the kind run is a lane of its own
+KIND = ("k8s", "etcd", "kube-router", "kind-tools", "coredns-kind", "kind", "helm", *CRDS)
+TESTS = tuple(c.name for c in COMPONENTS if c.name not in ("kind-tools", "coredns-kind", "kind"))
 MONITORING = ("prometheus-operator", "prometheus", "prometheus-operator-crds", "keda-controllers", "prometheus-adapter")
 GATEWAY = ("traefik", "gateway-api")
 SETS = {"demo": DEMO, "tests": TESTS, "control-plane": CONTROL_PLANE, "crds": CRDS, "monitoring": MONITORING,
-        "gateway": GATEWAY}
+        "gateway": GATEWAY, "kind": KIND}
 
 # The upstream CRDs by the short name the tests and the demo install them under
 # (component, its files; empty: all of them). "monitoring" is what Prometheus Operator itself needs to run.

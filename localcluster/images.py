@@ -163,6 +163,12 @@ def base_image() -> str:
 
 
 def _make_base() -> None:
+    debootstrap_image(BASE_REF, BASE_PACKAGES, changes=('CMD ["/bin/bash"]', "ENV LANG=C.UTF-8"))
+
+
+def debootstrap_image(ref: str, packages: Iterable[str], changes: Iterable[str] = ()) -> None:
+    """``ref`` made from ``debootstrap --variant=minbase bookworm`` with ``packages``, trimmed (``trim_rootfs``),
+    and ``podman import``ed with the Containerfile ``changes`` (CMD, ENV, ...)."""
     if shutil.which("debootstrap") is None:
         raise RuntimeError("debootstrap is not installed (scripts/host-packages.sh installs it)")
     t0 = time.time()
@@ -170,19 +176,19 @@ def _make_base() -> None:
     try:
         rootfs = work / "rootfs"
         mirror = debian_mirror()
-        say(f"debootstrap --variant=minbase bookworm from {mirror} (a few minutes)")
-        run_command(["debootstrap", "--variant=minbase", "--include=" + ",".join(BASE_PACKAGES), "bookworm",
+        say(f"debootstrap --variant=minbase bookworm from {mirror} for {ref} (a few minutes)")
+        run_command(["debootstrap", "--variant=minbase", "--include=" + ",".join(packages), "bookworm",
               str(rootfs), mirror], stdout=subprocess.DEVNULL)
         trim_rootfs(rootfs)
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "--numeric-owner", "-cf", "-", "."],
                                stdout=subprocess.PIPE)
-        run_command(["podman", "import", "--change", 'CMD ["/bin/bash"]', "--change", "ENV LANG=C.UTF-8",
-              "--quiet", "-", BASE_REF], stdin=tar.stdout, capture_output=True)
+        run_command(["podman", "import", *(a for c in changes for a in ("--change", c)), "--quiet", "-", ref],
+                    stdin=tar.stdout, capture_output=True)
         if tar.wait() != 0:
             raise RuntimeError("tar of the debootstrap root failed")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    say(f"{BASE_REF} imported in {time.time() - t0:.0f}s ({local_image_size(BASE_REF) / 1e6:.0f} MB)")
+    say(f"{ref} imported in {time.time() - t0:.0f}s ({local_image_size(ref) / 1e6:.0f} MB)")
 
 
 def trim_rootfs(rootfs: Path) -> None:

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Debian packages the real-pod tests and the demo's real node need: podman (builds the images), containerd +
 # runc (the real kubelet's runtime), the CNI plugins (pod network), debootstrap (the images' base, since no
-# registry can be reached here), iptables/conntrack (kube-proxy), ipset (kube-router's NetworkPolicy). Idempotent and quiet when all is there.
+# registry can be reached here), iptables/conntrack (kube-proxy), ipset (kube-router's NetworkPolicy), CNI's dnsname
+# plugin (podman's networks answer container names: kind's nodes join the control plane by name, make e2e-kind).
+# Idempotent and quiet when all is there.
 # Hosts that are not Debian, or where apt-get cannot install, get a one-line message and exit 0: the
 # tests that need these packages then skip with their reason.
 set -euo pipefail
-pkgs=(podman containerd runc containernetworking-plugins debootstrap iptables conntrack ipset busybox-static)
+pkgs=(podman containerd runc containernetworking-plugins debootstrap iptables conntrack ipset busybox-static
+      golang-github-containernetworking-plugin-dnsname)
 missing=()
 for p in "${pkgs[@]}"; do
   # captured, not piped into `grep -q`: under pipefail a reader that exits first can fail the pipeline
