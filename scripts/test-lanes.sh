@@ -3,7 +3,8 @@
 #   cluster lane  the tests that share the local cluster and its real node (tests/e2e, tests/cluster), in order,
 #                 printed as they run: most of their time is spent waiting on pods, scrapes and autoscaler windows;
 #   local lane    every other test: the CPU-bound ones (server, operator units, bench), then the operator's
-#                 integration tests (tests/integration) on a control plane of its own without a real node
+#                 integration tests (tests/integration) and the e2e modules that need no real node
+#                 (tests/conftest.py SIDE_E2E_FILES) on a control plane of its own without a real node
 #                 (.run/pytest-side: some of them stop their API server or etcd, which the cluster lane's tests
 #                 must not see); logged to .run/test-lanes/local.log and printed after the cluster lane.
 # The lane is chosen by folder (tests/conftest.py marks `cluster_lane`), so every collected test runs in exactly

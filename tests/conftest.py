@@ -42,9 +42,16 @@ REQUIRE_ALL = os.environ.get("EMBEDOPS_REQUIRE_ALL") == "1"
 # real node) instead of waiting its turn in the cluster lane. The lane is chosen by folder, so a new test lands in one.
 CLUSTER_LANE_DIRS = ("tests/e2e/", "tests/cluster/")
 NO_CLUSTER_FILES = ("tests/cluster/test_build_script.py",)  # runs the built binaries, writes nothing shared
+# e2e modules that need an API server with kwok's nodes but no real node, no image and no monitoring or gateway pod
+# (placement, MIG capacity, Flux's controllers as processes, the rendered server command as a process): they run
+# on the local lane's control plane, after its CPU-bound tests, which takes about 2 minutes off the cluster lane,
+# the longer of the two (issue 40's budget).
+SIDE_E2E_FILES = tuple(f"tests/e2e/{m}.py" for m in (
+    "test_examples", "test_mig_capacity", "test_flux", "test_serving_path"))
 
 
-LAST_DIRS = ("tests/integration/",)  # the local lane's control plane starts once its CPU-bound tests are done
+# the local lane's control plane starts once its CPU-bound tests are done
+LAST_DIRS = ("tests/integration/", *SIDE_E2E_FILES)
 # The developer's fast loop (`make test-fast`: tests/unit, tests/server, tests/bench without `slow`) leaves out these
 # server modules, the ones of 10 s or more (measured 2026-12-05: slow clients 81 s, contract 36, load 36, the CPU cost
 # model 22, activator 21, architectures 17, prepared cache 16, lanes 16, bge-m3 14, space 12); `make test` runs them.
@@ -56,7 +63,7 @@ SLOW_MODULES = tuple(f"tests/server/{m}.py" for m in (
 def pytest_collection_modifyitems(config, items):
     for item in items:
         rel = item.path.relative_to(REPO).as_posix()
-        if rel.startswith(CLUSTER_LANE_DIRS) and rel not in NO_CLUSTER_FILES:
+        if rel.startswith(CLUSTER_LANE_DIRS) and rel not in (*NO_CLUSTER_FILES, *SIDE_E2E_FILES):
             item.add_marker(pytest.mark.cluster_lane)
         if rel in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)

@@ -450,7 +450,7 @@ class Reconciler:
                      intent: Intent | None = None) -> dict | None:
         """`intent`: the resource parsed (None: its spec did not parse, and the status says why)."""
         new = status.normalized(status.compute(resource, observed, options, stall_after=self.settings.stall_after,
-                                               parsed=intent.spec if intent is not None else None))
+                                               parsed=intent.es if intent is not None else None))
         if new == status.normalized(resource.get("status")):
             return None
         try:

@@ -14,7 +14,7 @@ from embedops_server import sizing
 
 from . import render
 from .memory import cpu_memory
-from .spec import EmbeddingServiceSpec, parse as parse_resource
+from .spec import EmbeddingService, EmbeddingServiceSpec, parse as parse_resource
 
 IMAGE_PULL = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
 CONFIG_ERRORS = {"CreateContainerConfigError", "CreateContainerError"}
@@ -145,9 +145,10 @@ def _condition(old: dict[str, dict], ctype: str, status: str, reason: str, messa
 
 def compute(resource: dict, observed: Observed, options: render.Options | None = None,
             now: dt.datetime | None = None, stall_after: float = 60.0,
-            parsed: EmbeddingServiceSpec | None = None) -> dict:
+            parsed: EmbeddingService | None = None) -> dict:
     """The status of `resource` from what a reconcile observed; a pure function: it changes neither argument.
-    `parsed`: the resource's spec already parsed (the reconciler's Intent), else it is parsed here."""
+    `parsed`: `resource` already parsed (the reconciler's Intent, as `render.render` takes it), else it is parsed
+    here."""
     options = options or render.Options()
     now = now or dt.datetime.now(dt.timezone.utc)
     meta = resource.get("metadata") or {}
@@ -162,7 +163,7 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
         conditions.append(_condition(old, ctype, st, reason, message, generation, now))
 
     invalid = observed.invalid
-    spec = parsed
+    spec = parsed.spec if parsed is not None else None
     if spec is None:
         try:
             spec = parse_resource(resource).spec
