@@ -39,6 +39,17 @@ def is_true(obj: dict, type_: str) -> bool:
     return bool(c and c.get("status") == "True")
 
 
+def skip_unless_simulated_nodes(kube) -> None:
+    """For tests whose services must become Ready at the sizes they ask (examples/ at production size: 4 cores,
+    8 GiB, MIG slices; a model id to download) on kwok's simulated nodes, which run no container. On another
+    cluster the nodes are real: on kind (docs/kind.md) the pods of those services stay Pending ("Insufficient
+    cpu") or run with no GPU and no model, and never become Ready. The real-pod tests (test_real_pods.py, the
+    migrations) are the ones that run there."""
+    if not kube.local:
+        pytest.skip("needs kwok's simulated nodes (the local control plane): the services ask sizes, GPUs or "
+                    "downloads no real worker here has")
+
+
 @pytest.fixture(scope="session")
 def api(kube):
     with kube.api_client() as a:

@@ -98,6 +98,8 @@ print(b["server"]["ref"], b["server"]["archive"], b["operator"]["ref"], b["opera
 fi
 export EMBEDOPS_SERVER_IMAGE_CPU="$server_image" EMBEDOPS_SERVER_IMAGE_CUDA="$server_image"
 export EMBEDOPS_OPERATOR_IMAGE="$operator_image"
+# images a test builds itself (the pgvector image of the reindex test) reach the nodes the same way
+export EMBEDOPS_E2E_IMAGE_LOADER="$KIND load image-archive --name $CLUSTER"
 # tests/e2e/test_real_pods.py: real containers on the plain CPU worker
 export EMBEDOPS_E2E_REAL_PODS=1 EMBEDOPS_E2E_REAL_NODE_SELECTOR=embedops.dev/pool=cpu-plain
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from localcluster.workloads import prerequisites
-from tests.e2e.conftest import REPO, condition, is_true, operator_log, wait_for
+from tests.e2e.conftest import REPO, condition, is_true, operator_log, skip_unless_simulated_nodes, wait_for
 from tests.e2e.kstatus import kstatus
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -45,13 +45,7 @@ def test_examples_place_report_ready_and_kstatus_current(kube, embsvc, namespace
     docs = example_docs()
     if not docs:
         pytest.skip("examples/ has no EmbeddingService yet")
-    if not kube.local:
-        # Seen on kind (docs/kind.md): every example pod Pending, "Insufficient cpu" / "Insufficient
-        # nvidia.com/mig-1g.18gb". The examples ask production sizes (4 cores, 8 GiB, MIG slices of several
-        # profiles); kind's workers are the host's (2 cores here, 4 on a GitHub runner), with no GPU to run a
-        # CUDA image on. Their placement and Ready run on the local control plane's simulated nodes; on kind the
-        # same manifests run as real pods resized for the worker (test_real_pods.py).
-        pytest.skip("examples/ asks production sizes no kind worker has; test_real_pods runs them on kind")
+    skip_unless_simulated_nodes(kube)
     prerequisites(kube, namespace, docs)
     for d in docs:
         embsvc.create(d)

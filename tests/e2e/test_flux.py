@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from tests.e2e import flux
-from tests.e2e.conftest import REPO, condition, wait_for
+from tests.e2e.conftest import REPO, condition, skip_unless_simulated_nodes, wait_for
 from tests.e2e.test_examples import example_docs
 from localcluster.workloads import prerequisites
 
@@ -39,10 +39,7 @@ def test_flux_kustomization_applies_examples_and_reports_ready(kube, embsvc, nam
         pytest.skip("Flux controllers not built (python -m localcluster.build source-controller kustomize-controller)")
     if not flux.have_git_http_backend():
         pytest.skip("git http-backend not available")
-    if not kube.local:
-        # the Kustomization's health checks wait for examples/ to be Ready: production sizes (4 cores, 8 GiB, MIG
-        # slices) that no kind worker has (test_examples.py says the same)
-        pytest.skip("examples/ asks production sizes no kind worker has; Flux runs them on the local control plane")
+    skip_unless_simulated_nodes(kube)  # its health checks wait for examples/ to be Ready
     from kubernetes import client
 
     for f in flux.crd_files():

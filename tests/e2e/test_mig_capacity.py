@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import condition, is_true, operator_log, wait_for
+from tests.e2e.conftest import condition, is_true, operator_log, skip_unless_simulated_nodes, wait_for
 from tests.e2e.kstatus import kstatus
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -61,7 +61,8 @@ def _t(msg, t0=[None]):
     print(f"[{time.monotonic() - t0[0]:6.1f}s] {msg}")
 
 
-def test_no_free_slice_ends_stalled(embsvc, operator):
+def test_no_free_slice_ends_stalled(kube, embsvc, operator):
+    skip_unless_simulated_nodes(kube)
     _t("start")
     wait_for(lambda: settled(embsvc.core), timeout=120, what="earlier tests' namespaces to be deleted")
     free = free_slices(embsvc.core)
@@ -143,10 +144,11 @@ def _change_and_watch(embsvc, name: str, tokens: int, replicas: int) -> tuple[ob
                 f"pods: {pod_summary(embsvc.pods(name))}")
 
 
-def test_a_rollout_surges_where_a_slice_is_free_and_gives_one_up_on_a_full_node(embsvc, operator):
+def test_a_rollout_surges_where_a_slice_is_free_and_gives_one_up_on_a_full_node(kube, embsvc, operator):
     """Issue 36: a single MIG replica rolls without going down while a slice is free (a surge); on a full node
     the surge pod cannot be scheduled and the operator switches that rollout to giving an old replica's slice up
     first, so it ends instead of deadlocking; the next rollout tries a surge again."""
+    skip_unless_simulated_nodes(kube)
     wait_for(lambda: settled(embsvc.core), timeout=120, what="earlier tests' namespaces to be deleted")
     free = free_slices(embsvc.core)
     assert free >= 2, free

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.conftest import REPO, operator_log
+from tests.e2e.conftest import REPO, operator_log, skip_unless_simulated_nodes
 from localcluster.local_server import LocalServer, local_command, secret_reader
 from localcluster.pki import free_port
 from localcluster.models import make_tiny_reranker
@@ -80,6 +80,7 @@ def _run_reconciled(embsvc, kube, name, models_dir, tmp_path):
 
 
 def test_embeddings_through_the_rendered_server_command(kube, embsvc, namespace, operator, models_dir, tmp_path):
+    skip_unless_simulated_nodes(kube)  # the example must be Ready at its production size first
     doc = yaml.safe_load((REPO / "examples" / "cpu-ingestion.yaml").read_text())
     prerequisites(kube, namespace, [doc])
     embsvc.create(doc)
@@ -105,6 +106,7 @@ def test_embeddings_through_the_rendered_server_command(kube, embsvc, namespace,
 
 
 def test_rerank_through_the_rendered_server_command(kube, embsvc, namespace, operator, models_dir, tmp_path):
+    skip_unless_simulated_nodes(kube)
     prerequisites(kube, namespace, [RERANKER])
     embsvc.create(RERANKER)
     srv, dep = _run_reconciled(embsvc, kube, "tiny-reranker", models_dir, tmp_path)
