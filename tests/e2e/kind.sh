@@ -29,6 +29,15 @@ if [ "$ENGINE" = podman ]; then
   components+=(kind)     # kind built from its Go module
   # kind mounts /lib/modules into every node read-only; a host without the folder fails at "Preparing nodes"
   [ -d /lib/modules ] || mkdir -p /lib/modules
+  # workers join the control plane by name: podman's CNI networks answer names only with the dnsname plugin
+  if [ "$(podman info --format '{{.Host.NetworkBackend}}')" = cni ] && [ ! -e /usr/lib/cni/dnsname ] \
+     && [ ! -e /opt/cni/bin/dnsname ]; then
+    echo "e2e-kind: podman's CNI networks need the dnsname plugin (scripts/host-packages.sh installs it)" >&2; exit 2
+  fi
+  if [ "$(podman network inspect kind --format '{{.DNSEnabled}}' 2>/dev/null || true)" = false ]; then
+    echo "e2e-kind: podman network 'kind' was made without DNS (before the dnsname plugin): podman network rm kind" >&2
+    exit 2
+  fi
 fi
 "$PY" -m localcluster.build "${components[@]}"
 if [ "$ENGINE" = podman ]; then
