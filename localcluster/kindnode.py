@@ -32,7 +32,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -120,12 +119,14 @@ ENTRYPOINT ["/coredns"]
 """
 
 
-def system_images(names: list[str], out: Path) -> None:
+def system_images(names: list[str]) -> list[str]:
     """The control plane's, kube-proxy's, CoreDNS's and kube-router's images: one image, tagged with every name
-    kubeadm gives them, saved with its pause image into ``out`` (one docker-archive holding every tag)."""
+    kubeadm gives them, and the pause image under its names; returns the tags (the kube-router one last). Each
+    tag names content: the system image's tag hashes its base and binaries."""
     base = debian_image("kind-system-base", SYSTEM_PACKAGES)
     files = {b: BY_NAME[c].path(f) for b, (c, f) in SYSTEM_TOOLS.items()}
-    ref = f"localhost/embedops-kind-system:{_hash(local_image_id(base) or base, SYSTEM_CONTAINERFILE, *(b + _file_digest(p).hex() for b, p in files.items()))}"
+    digests = (b + _file_digest(p).hex() for b, p in files.items())
+    ref = f"localhost/embedops-kind-system:{_hash(local_image_id(base) or base, SYSTEM_CONTAINERFILE, *digests)}"
     with build_lock(ref):
         if not local_image_id(ref):
             with tempfile.TemporaryDirectory(dir=cache_root()) as d:
@@ -138,23 +139,13 @@ def system_images(names: list[str], out: Path) -> None:
     pause_ref, pause_archive = node.pause_image()
     if not local_image_id(pause_ref):
         run_command(["podman", "load", "--quiet", "-i", str(pause_archive)], capture_output=True)
-    tags = []
-    for n in names:
-        source = pause_ref if "/pause:" in n else ref
-        run_command(["podman", "tag", source, n])
-        tags.append(n)
     sandbox = "registry.k8s.io/pause:3.10"  # kind's containerd config pins this sandbox image
-    if sandbox not in tags:
-        run_command(["podman", "tag", pause_ref, sandbox])
-        tags.append(sandbox)
-    tags.append(kube_router_image(ref))
-    run_command(["podman", "tag", ref, tags[-1]])
-    run_command(["podman", "save", "--quiet", "--multi-image-archive", "--format", "docker-archive", "-o", str(out),
-                 *tags], capture_output=True)
-
-
-def kube_router_image(system_ref: str) -> str:
-    return f"localhost/embedops-kind-kube-router:{system_ref.rsplit(':', 1)[1]}"
+    tagged = {n: pause_ref if "/pause:" in n else ref for n in names}
+    tagged.setdefault(sandbox, pause_ref)
+    tagged[f"localhost/embedops-kind-kube-router:{ref.rsplit(':', 1)[1]}"] = ref
+    for name, source in tagged.items():
+        run_command(["podman", "tag", source, name])
+    return list(tagged)
 
 
 # kind's Dockerfile steps, with Debian's containerd, runc and CNI plugins in the places kind's own builds take.
@@ -206,64 +197,55 @@ def build_node_image() -> str:
     files_dir = kind_module_dir() / "images" / "base" / "files"
     cni = (HERE / "kind" / "default-cni.yaml").read_text()
     rootfs = debian_image("kind-rootfs", NODE_PACKAGES)
-    with tempfile.TemporaryDirectory(dir=cache_root()) as d:
-        work = Path(d)
-        system_tar = work / "system.tar"
-        system_images(names, system_tar)
-        kube_router = next(n for n in _archive_names(system_tar) if "kube-router" in n)
-        cni = cni.replace("KUBE_ROUTER_IMAGE", kube_router)
-        key = _hash(local_image_id(rootfs) or rootfs, NODE_CONTAINERFILE, PRELOAD, cni, KIND_VERSION,
-                    _file_digest(kubelet), _file_digest(kind_tools.path("kind-tools")), _file_digest(system_tar))
-        ref = f"{NODE_REPO}:{KUBERNETES_VERSION}-{key}"
-        with build_lock(ref):
-            if local_image_id(ref):
-                return ref
-            t0 = time.time()
-            ctx = work / "ctx"
-            files = ctx / "files"
-            shutil.copytree(files_dir, files, ignore=shutil.ignore_patterns("containerd-fuse-overlayfs.service"))
-            for p in files.rglob("*"):
-                p.chmod(0o755 if p.is_dir() else 0o644)
-            (files / "usr/bin").mkdir(parents=True, exist_ok=True)
-            shutil.copy2(kubelet, files / "usr/bin/kubelet")
-            shutil.copy2(kind_tools.path("kind-tools"), files / "usr/bin/kind-tools")
-            for tool in ("kubeadm", "kubectl"):
-                (files / "usr/bin" / tool).symlink_to("kind-tools")
-            (files / "usr/bin/kubelet").chmod(0o755)
-            (files / "usr/bin/kind-tools").chmod(0o755)
-            (files / "kind/version").write_text(KUBERNETES_VERSION + "\n")
-            (files / "kind/manifests").mkdir(parents=True, exist_ok=True)
-            (files / "kind/manifests/default-cni.yaml").write_text(cni)
-            (files / "kind/images").mkdir(parents=True, exist_ok=True)
-            shutil.move(system_tar, files / "kind/images/system.tar")
-            staged = f"{NODE_REPO}-staged:{key}"
-            _podman_build(staged, ctx, NODE_CONTAINERFILE, rootfs)
-            shutil.rmtree(ctx)
-            container = f"embedops-kind-preload-{key}"
+    tags = system_images(names)
+    cni = cni.replace("KUBE_ROUTER_IMAGE", tags[-1])
+    key = _hash(local_image_id(rootfs) or rootfs, NODE_CONTAINERFILE, PRELOAD, cni, KIND_VERSION, *tags,
+                _file_digest(kubelet), _file_digest(kind_tools.path("kind-tools")))
+    ref = f"{NODE_REPO}:{KUBERNETES_VERSION}-{key}"
+    with build_lock(ref), tempfile.TemporaryDirectory(dir=cache_root()) as d:
+        if local_image_id(ref):
+            return ref
+        t0 = time.time()
+        ctx = Path(d) / "ctx"
+        files = ctx / "files"
+        shutil.copytree(files_dir, files, ignore=shutil.ignore_patterns("containerd-fuse-overlayfs.service"))
+        for p in files.rglob("*"):
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        (files / "usr/bin").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(kubelet, files / "usr/bin/kubelet")
+        shutil.copy2(kind_tools.path("kind-tools"), files / "usr/bin/kind-tools")
+        for tool in ("kubeadm", "kubectl"):
+            (files / "usr/bin" / tool).symlink_to("kind-tools")
+        (files / "usr/bin/kubelet").chmod(0o755)
+        (files / "usr/bin/kind-tools").chmod(0o755)
+        (files / "kind/version").write_text(KUBERNETES_VERSION + "\n")
+        (files / "kind/manifests").mkdir(parents=True, exist_ok=True)
+        (files / "kind/manifests/default-cni.yaml").write_text(cni)
+        (files / "kind/images").mkdir(parents=True, exist_ok=True)
+        # one docker-archive holding every tag (content shared between tags is stored once)
+        run_command(["podman", "save", "--quiet", "--multi-image-archive", "--format", "docker-archive",
+                     "-o", str(files / "kind/images/system.tar"), *tags], capture_output=True)
+        staged = f"{NODE_REPO}-staged:{key}"
+        _podman_build(staged, ctx, NODE_CONTAINERFILE, rootfs)
+        shutil.rmtree(ctx)
+        container = f"embedops-kind-preload-{key}"
+        subprocess.run(["podman", "rm", "-f", container], check=False, capture_output=True)
+        try:
+            r = subprocess.run(["podman", "run", "--name", container, "--privileged", "--network=none",
+                                "--entrypoint", "/bin/bash", staged, "-c", PRELOAD],
+                               check=False, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"preloading the node's images failed (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+            say("preloaded: " + " ".join(r.stdout.split()))
+            run_command(["podman", "commit", "--quiet",
+                         "--change", 'ENTRYPOINT ["/usr/local/bin/entrypoint", "/sbin/init"]',
+                         "--change", "CMD []", "--change", "STOPSIGNAL SIGRTMIN+3",
+                         "--change", "ENV container=docker", container, ref], capture_output=True)
+        finally:
             subprocess.run(["podman", "rm", "-f", container], check=False, capture_output=True)
-            try:
-                r = subprocess.run(["podman", "run", "--name", container, "--privileged", "--network=none",
-                                    "--entrypoint", "/bin/bash", staged, "-c", PRELOAD],
-                                   check=False, capture_output=True, text=True)
-                if r.returncode != 0:
-                    raise RuntimeError(f"preloading the node's images failed (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-                say("preloaded: " + " ".join(r.stdout.split()))
-                run_command(["podman", "commit", "--quiet",
-                             "--change", 'ENTRYPOINT ["/usr/local/bin/entrypoint", "/sbin/init"]',
-                             "--change", "CMD []", "--change", "STOPSIGNAL SIGRTMIN+3",
-                             "--change", "ENV container=docker", container, ref], capture_output=True)
-            finally:
-                subprocess.run(["podman", "rm", "-f", container], check=False, capture_output=True)
-                subprocess.run(["podman", "rmi", staged], check=False, capture_output=True)
-            say(f"built {ref} in {time.time() - t0:.0f}s")
+            subprocess.run(["podman", "rmi", staged], check=False, capture_output=True)
+        say(f"built {ref} in {time.time() - t0:.0f}s")
     return ref
-
-
-
-def _archive_names(archive: Path) -> list[str]:
-    with tarfile.open(archive) as t:
-        manifest = json.load(t.extractfile("manifest.json"))
-    return [tag for entry in manifest for tag in entry.get("RepoTags") or ()]
 
 
 def main(argv: list[str] | None = None) -> int:
