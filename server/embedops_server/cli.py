@@ -1,139 +1,85 @@
-"""`embedops-server`: TEI's flag names and defaults (port 8080 here), each also read from UPPER_SNAKE env."""
+"""`embedops-server`: TEI's flag names and defaults (port 8080 here), each also read from UPPER_SNAKE env.
+
+The flags are settings.Settings' fields; this module only presents them (argparse) and reports bad values."""
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import sys
+from collections.abc import Iterable, Mapping
 
-from .settings import Settings
+from pydantic import ValidationError
 
-_TRUE = {"1", "true", "yes", "on"}
+from .settings import EnvironmentSettings, Settings, Tuning
 
-
-def _bool(v: str) -> bool:
-    if v.lower() in _TRUE:
-        return True
-    if v.lower() in {"0", "false", "no", "off"}:
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
+# A flag's name is its field's, kebab-cased; its variable and default come from the model (settings.py).
 
 
-def _opt_int(v: str) -> int | None:
-    return None if v.lower() in ("", "none") else int(v)
-
-
-def _choice(*allowed: str):
-    def parse(v: str) -> str:
-        if v.lower() not in allowed:
-            raise argparse.ArgumentTypeError(f"expected one of {', '.join(allowed)}, got {v!r}")
-        return v.lower()
-    parse.__name__ = "one of " + "|".join(allowed)
-    return parse
-
-
-def _ranged(typ, lo, hi):
-    def parse(v: str):
-        x = typ(v)
-        if not lo <= x <= hi:
-            raise argparse.ArgumentTypeError(f"expected {lo} to {hi}, got {v!r}")
-        return x
-    parse.__name__ = typ.__name__
-    return parse
-
-
-# (flag, type, default, help). Env var = flag without dashes, upper-snake.
-FLAGS = [
-    ("--model-id", str, None, "local model folder (Hugging Face layout)"),
-    ("--revision", str, "main", "hub revision (branch, tag or commit) looked up in the Hugging Face cache; "
-     "/info reports the commit served as model_sha"),
-    ("--pooling", str, None, "cls | mean | splade | last-token (default: from 1_Pooling/config.json)"),
-    ("--dtype", str, None, "float32 | float16 | bfloat16 (default: float16 on CUDA, float32 on CPU)"),
-    ("--backend", str, "auto", "auto | torch | onnxruntime | hybrid (auto: torch on CUDA or for a float16/"
-     "bfloat16 dtype, else ONNX Runtime for every task; hybrid: CPU, ONNX Runtime for inputs up to 128 tokens, "
-     "torch for longer)"),
-    ("--device", str, None, "cpu | cuda | cuda:N (default: cuda when available)"),
-    ("--quantize", str, None, "int8: ONNX Runtime dynamic per-channel int8, refused below --int8-min-cosine"),
-    ("--int8-min-cosine", float, 0.98, "minimum cosine vs float32 on the check sentences for int8"),
-    ("--max-batch-tokens", int, 16384, "token budget per forward batch (padded: longest x count)"),
-    ("--max-forward-tokens", _opt_int, None,
-     "padded tokens per forward pass (default: the backend's efficient size on CPU, ONNX Runtime 256 with two "
-     "forwards side by side, else 1024, torch 2048; unlimited on CUDA); 0 = up to --max-batch-tokens"),
-    ("--max-input-length", _opt_int, None,
-     "longest input in tokens (default: the model's); longer inputs are truncated or refused, and the start-up "
-     "warm-up runs one input of this length: it bounds the attention memory a replica needs"),
-    ("--max-batch-requests", _opt_int, None, "maximum inputs per forward batch"),
-    ("--max-concurrent-requests", int, 512, "admitted inputs in flight before answering 429"),
-    ("--max-client-batch-size", int, 32, "maximum inputs per request"),
-    ("--lanes", _bool, True, "interactive and batch lanes: a query's inputs do not wait behind ingestion's "
-     "(docs/server.md#lanes); false = one FIFO queue, as TEI"),
-    ("--default-lane", _choice("auto", "interactive", "batch"), "auto", "the lane of a request whose client does "
-     "not send an `embedops-lane` header; auto = interactive for a request of at most --lane-auto-max-inputs "
-     "inputs and for /rerank, batch otherwise"),
-    ("--lane-auto-max-inputs", _ranged(int, 0, 1 << 20), 4, "largest request (inputs) that --default-lane auto "
-     "puts in the interactive lane"),
-    ("--batch-lane-share", _ranged(float, 0.01, 1.0), 0.75, "share of --max-concurrent-requests the batch lane "
-     "may hold in flight: past it batch requests get 429 while interactive ones are still admitted"),
-    ("--batch-port", _ranged(int, 0, 65535), 0, "a second port for the same API whose requests default to the "
-     "batch lane (an address for ingestion jobs: the operator's <name>-batch Service); 0 = none"),
-    ("--batch-lane-nice", _ranged(int, 0, 19), 10, "nice value of the batch lane's inference threads where the "
-     "lanes run side by side (ONNX Runtime on CPU); 0 = the same priority as queries"),
-    ("--auto-truncate", _bool, True, "truncate over-long inputs when the request does not say"),
-    ("--tokenization-workers", _opt_int, None, "tokenizer threads (default: CPUs - 1, at least 1)"),
-    ("--num-threads", _opt_int, None, "intra-op threads for inference (default: CPUs allowed by cgroup)"),
-    ("--default-prompt", str, None, "prefix added to every input"),
-    ("--default-prompt-name", str, None, "key of `prompts` in config_sentence_transformers.json"),
-    ("--served-model-name", str, None, "model name reported by the OpenAI routes"),
-    ("--api-key", str, None, "require `Authorization: Bearer <key>` on inference routes"),
-    ("--payload-limit", int, 2_000_000, "maximum request body in bytes"),
-    ("--hostname", str, "0.0.0.0", "address to bind"),
-    ("--port", int, 8080, "port for the API, /health and /metrics"),
-    ("--graceful-shutdown-timeout", float, 30.0, "seconds to finish in-flight requests after SIGTERM"),
-    ("--max-connection-age", float, 0.0, "seconds after which a keep-alive connection is closed after its next "
-     "answer (Connection: close), so clients follow the Service to new pods (a promoted embedding space, added "
-     "replicas); 0 = never"),
-    ("--onnx-cache", str, None, "where ONNX exports and int8 models are written (default ~/.cache/embedops)"),
-    ("--log-level", str, "info", "debug | info | warning | error"),
-    ("--outputs", str, None, "comma-separated outputs the model must give (dense, sparse, colbert: bge-m3's "
-     "heads); the server refuses to start when one is missing instead of answering 424 per request"),
-    ("--cors-allow-origin", str, None, "browser origins allowed to call the API (comma-separated, or *); "
-     "preflights allow Authorization as well as Content-Type. Default: no CORS headers"),
-]
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
 
 
 def env_name(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_").upper()
+    """The environment variable of an embedops-server flag (TEI's rule: the flag in upper snake case)."""
+    return Settings.env_name(flag.lstrip("-").replace("-", "_"))
 
 
-def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Settings:
-    env = os.environ if environ is None else environ
-    p = argparse.ArgumentParser(prog="embedops-server", description=__doc__)
-    for flag, typ, default, help_ in FLAGS:
-        name = env_name(flag)
-        raw = env.get(name)
-        if flag == "--hostname" and raw is not None:
-            try:  # Docker/Kubernetes set HOSTNAME to the pod name: only an IP address counts.
-                ipaddress.ip_address(raw)
-            except ValueError:
-                raw = None
-        value = default
-        if raw is not None and raw != "":
-            try:
-                value = typ(raw)
-            except (ValueError, argparse.ArgumentTypeError) as e:
-                p.error(f"environment variable {name}: {e}")
-        if typ is _bool:
-            p.add_argument(flag, type=_bool, nargs="?", const=True, default=value, help=f"{help_} [env {name}]")
+FLAGS = [flag_name(field) for field in Settings.model_fields]
+
+
+def settings_parser(model: type[EnvironmentSettings], prog: str, description: str | None) -> argparse.ArgumentParser:
+    """One flag per field of `model`, its help from the field's description; a flag given wins over the
+    variable, which wins over the default (the model's sources, settings.py)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    for field, info in model.model_fields.items():
+        default = info.default
+        shown = "" if default in (None, "") or info.repr is False else f"; default {default}"
+        help_ = f"{info.description} [env {model.env_name(field)}{shown}]"
+        # values stay text here: the model converts and checks them, with the same rules as the variables'
+        if info.annotation is bool:
+            p.add_argument(flag_name(field), dest=field, nargs="?", const="true", default=argparse.SUPPRESS,
+                           metavar="BOOL", help=help_)
         else:
-            p.add_argument(flag, type=typ, default=value, help=f"{help_} [env {name}]")
-    p.add_argument("--json-output", action="store_true",
-                   default=env.get("JSON_OUTPUT", "").lower() in _TRUE, help="JSON logs [env JSON_OUTPUT]")
-    a = p.parse_args(argv)
-    if not a.model_id:
-        p.error("--model-id (or MODEL_ID) is required")
-    kw = {k: v for k, v in vars(a).items() if k in Settings.__dataclass_fields__}
-    return Settings(**kw)
+            p.add_argument(flag_name(field), dest=field, default=argparse.SUPPRESS, metavar=field.upper(),
+                           help=help_)
+    return p
+
+
+def load_settings(model: type[EnvironmentSettings], parser: argparse.ArgumentParser, argv: list[str] | None,
+                  environ: Mapping[str, str] | None = None, required: Iterable[str] = ()):
+    """The settings of `argv` and `environ` (default os.environ); a value that does not validate ends the
+    process with the parser's usage and a line naming the flag or variable (exit 2), never a traceback."""
+    flags = vars(parser.parse_args(argv))
+    try:
+        settings = model.from_environment(environ, **flags)
+    except ValidationError as e:
+        parser.error("; ".join(_describe(model, err, flags) for err in e.errors()))
+    for field in required:
+        if not getattr(settings, field):
+            parser.error(f"{flag_name(field)} (or {model.env_name(field)}) is required")
+    return settings
+
+
+def _describe(model: type[EnvironmentSettings], err: dict, flags: dict) -> str:
+    msg = err["msg"].removeprefix("Value error, ")
+    field = next((str(x) for x in err["loc"][:1] if str(x) in model.model_fields), None)
+    if field is None:  # a conflict between flags (the model's own check)
+        return msg
+    got = "" if model.model_fields[field].repr is False else f", got {err.get('input')!r}"  # never a secret
+    if field in flags:
+        return f"argument {flag_name(field)}: {msg}{got}"
+    return f"environment variable {model.env_name(field)}: {msg}{got}"
+
+
+def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    parser = settings_parser(Settings, "embedops-server", __doc__)
+    settings = load_settings(Settings, parser, argv, environ, required=("model_id",))
+    try:  # the backends read the EMBEDOPS_* switches when they are built: a bad one is refused here, at once
+        Tuning.from_environment(environ)
+    except ValidationError as e:
+        parser.error("; ".join(_describe(Tuning, err, {}) for err in e.errors()))
+    return settings
 
 
 def setup_logging(s: Settings) -> None:

@@ -69,9 +69,7 @@ def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
             raise no_onnx_without_torch(info.path)
         raise ModelError(f"the {kind} backend (device {device}, dtype {s.dtype or 'default'}) needs torch and "
                          f"{NO_TORCH}; use --backend onnxruntime with a float32 model or an image with torch")
-    if kind == "hybrid":
-        if device != "cpu" or s.dtype not in (None, "float32") or s.quantize:
-            raise ModelError("--backend hybrid is CPU float32 only (ONNX Runtime for short inputs, torch for long)")
+    if kind == "hybrid":  # CPU float32 only: Settings refuses any other device, dtype or quantization with it
         if not info.has_torch_weights:
             raise ModelError(f"{info.path} has no torch weights; --backend hybrid needs them")
         from .backends.hybrid import HybridBackend
@@ -82,9 +80,7 @@ def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
         short = OrtBackend(info, threads=threads, cache=s.onnx_cache, tokenizer=tokenizer, parallel=False)
         return HybridBackend(short, TorchBackend(info, dtype="float32", device="cpu", threads=threads,
                                                  tokenizer=tokenizer))
-    if kind in ("onnxruntime", "ort", "onnx"):
-        if s.dtype not in (None, "float32"):
-            raise ModelError("the ONNX Runtime backend runs float32 (or --quantize int8)")
+    if kind in ("onnxruntime", "ort", "onnx"):  # float32 (or int8): Settings refuses another dtype with it
         from .backends.ort_backend import OrtBackend
 
         try:
@@ -156,8 +152,6 @@ def default_prompt(s: Settings, info: ModelInfo) -> str | None:
     """The prompt every input gets unless its request names one."""
     if s.default_prompt_name and s.default_prompt_name not in info.prompts:
         raise ModelError(f"--default-prompt-name {s.default_prompt_name!r} is not one of {sorted(info.prompts)}")
-    if s.default_prompt and s.default_prompt_name:
-        raise ModelError("--default-prompt and --default-prompt-name are mutually exclusive")
     return info.prompts[s.default_prompt_name] if s.default_prompt_name else s.default_prompt
 
 

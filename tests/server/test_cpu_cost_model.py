@@ -71,8 +71,10 @@ def test_forward_tokens_setting():
 def test_torch_cpu_uses_one_thread_for_tiny_forwards():
     from embedops_server.backends import torch_backend as tb
 
+    from embedops_server.settings import Tuning
+
     b = tb.TorchBackend.__new__(tb.TorchBackend)
-    b.threads = 2
+    b.threads, b.tuning = 2, Tuning.from_environment({})  # the default switch: 64 padded tokens
     assert b.cpu_threads_for(1, 16) == 1 and b.cpu_threads_for(2, 32) == 1
     assert b.cpu_threads_for(1, 128) == 2 and b.cpu_threads_for(8, 32) == 2
 

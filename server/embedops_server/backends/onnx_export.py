@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..core.model_info import (CLASSIFIER, RERANKER, SPARSE, ModelError, ModelInfo, no_onnx_without_torch,
                                torch_installed)
+from ..settings import Tuning
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +44,11 @@ SOURCE_FILE = "source.txt"  # the model folder an entry was made from
 
 
 def cache_root(base: str | None) -> Path:
-    return Path(base or os.environ.get("ONNX_CACHE") or os.environ.get("EMBEDOPS_CACHE")
-                or Path.home() / ".cache" / "embedops")
+    return Path(base or Tuning().cache or Path.home() / ".cache" / "embedops")
 
 
 def cache_dir(info: ModelInfo, base: str | None) -> Path:
-    """This model revision's entry in the ONNX cache (``--onnx-cache``, $ONNX_CACHE, $EMBEDOPS_CACHE or
+    """This model revision's entry in the ONNX cache (``--onnx-cache`` or $ONNX_CACHE, else $EMBEDOPS_CACHE or
     ~/.cache/embedops). Entries made for earlier revisions of the same folder are removed: nothing can use
     them any more, and a long-lived cache volume would otherwise grow with every model update.
 

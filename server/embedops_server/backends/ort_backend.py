@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 
 from ..core.engine import Batch, BatchOutput
 from ..core.model_info import EMBEDDER, RERANKER, SPARSE, ModelError, ModelInfo
+from ..settings import Tuning
 from .base import Backend, pool_numpy, split_tokens
 from .dense import apply_numpy, load_dense
 from .m3 import OrtHeads, load_heads
@@ -29,7 +29,6 @@ CHECK_TEXTS = [
 ]
 
 
-SMALL_TOKENS = 64  # padded tokens up to which a forward runs on the spinning latency session (0: off)
 SMALL_SESSION_MAX_BYTES = 200 << 20
 FUSED_MIN_COSINE = 0.9999  # fused vs plain float32: the same arithmetic reordered (MiniLM: max |diff| ~3e-6)
 
@@ -66,6 +65,7 @@ class OrtBackend(Backend):
         import onnxruntime as ort
 
         self.info = info
+        self.tuning = Tuning()  # the EMBEDOPS_ORT_* switches, as the environment sets them now
         self.task = info.task
         self.pooling = info.pooling
         self.pad_id = int(info.config.get("pad_token_id") or 0)
@@ -106,7 +106,7 @@ class OrtBackend(Backend):
         # 2 cores: 3.4 -> 2.5 ms). Spinning for a few-ms forward costs little; for big batches it would steal
         # the cores tokenization and the event loop need. Costs a second copy of the weights, so only for
         # models up to SMALL_SESSION_MAX_BYTES on disk. EMBEDOPS_ORT_SMALL_TOKENS=0 turns it off.
-        self.small_tokens = int(os.environ.get("EMBEDOPS_ORT_SMALL_TOKENS", str(SMALL_TOKENS)))
+        self.small_tokens = self.tuning.ort_small_tokens
         self.small_session = None
         # the graph file and its external data: bge-m3's own onnx/model.onnx is 0.7 MB beside 2.2 GB of data
         self.model_bytes = graph_bytes(self.model_path)
@@ -117,7 +117,7 @@ class OrtBackend(Backend):
         del reference
         # A lone query's forward (the spinning session's sizes) may run on the event loop's thread: its two
         # thread hops cost ~0.3 ms of a 2-4 ms answer (docs/bench.md). EMBEDOPS_INLINE_FORWARD=0 turns it off.
-        if self.small_session is not None and os.environ.get("EMBEDOPS_INLINE_FORWARD", "1") != "0":
+        if self.small_session is not None and self.tuning.inline_forward:
             self.inline_tokens = self.small_tokens
         # Two forwards side by side under load, each on half the threads, in a session of their own (ORT runs
         # concurrent Run calls on one session). A small model's operators are too short to keep two threads busy
@@ -128,7 +128,7 @@ class OrtBackend(Backend):
         # weights and two forwards' buffers (MiniLM: RSS ~650-720 MB under load vs ~450), so small models only.
         # EMBEDOPS_ORT_PARALLEL=0 turns it off.
         self.narrow_session = None
-        if parallel and (threads or 1) > 1 and small_model and os.environ.get("EMBEDOPS_ORT_PARALLEL", "1") != "0":
+        if parallel and (threads or 1) > 1 and small_model and self.tuning.ort_parallel:
             self.parallel_forwards = 2
             self.narrow_session = self._session(self.model_path, threads=max(1, threads // 2))
             self.preferred_batch_tokens = self.PARALLEL_BATCH_TOKENS
@@ -137,8 +137,8 @@ class OrtBackend(Backend):
             # operator. Side by side (docs/bench.md, two runs): float32 c=16 p99 -5 to -12%, c=64 -3 to -18%;
             # int8 forwards are half as long, and holding the next batch back for one cost c=16 3-7% of its
             # throughput, so int8 keeps starting a second forward at once. EMBEDOPS_ORT_WIDE_ALONE=1/0 forces it.
-            wide = os.environ.get("EMBEDOPS_ORT_WIDE_ALONE", "")
-            self.wide_alone = wide == "1" if wide in ("0", "1") else self.dtype != "int8"
+            wide = self.tuning.ort_wide_alone
+            self.wide_alone = wide if wide is not None else self.dtype != "int8"
         self.hidden_size = int(info.config.get("hidden_size") or self.session.get_outputs()[0].shape[-1] or 0)
         self.dense = load_dense(info.dense) if info.dense else []  # sentence-transformers Dense projections
         if self.dense:
@@ -153,7 +153,7 @@ class OrtBackend(Backend):
         FUSED_MIN_COSINE (the same arithmetic reordered), or for int8 the int8 gate's own threshold. Otherwise,
         and with EMBEDOPS_ORT_FUSE=0, the graph the other sessions run."""
         plain = self.model_path
-        if tokenizer is None or os.environ.get("EMBEDOPS_ORT_FUSE", "1") == "0":
+        if tokenizer is None or not self.tuning.ort_fuse:
             self.latency_graph = "plain"
             return self._session(plain, spin=True)
         int8 = self.dtype == "int8"
@@ -191,12 +191,12 @@ class OrtBackend(Backend):
         # the event loop need (measured on 2 shared cores: +40-50% saturated throughput without it).
         # EMBEDOPS_ORT_SPIN=1 restores ORT's default for dedicated, latency-bound machines.
         if spin is None:
-            spin = os.environ.get("EMBEDOPS_ORT_SPIN", "0") == "1"
+            spin = self.tuning.ort_spin
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         # No CPU memory arena: the arena keeps the buffers of the largest batch ever seen (RSS 853 -> 1247 MB in
         # a soak; 185 -> 2208 MB after one 32 x 512 batch, back to 188 MB without it) and small batches are
         # no slower without it. EMBEDOPS_ORT_ARENA=1 turns it back on.
-        so.enable_cpu_mem_arena = os.environ.get("EMBEDOPS_ORT_ARENA", "0") == "1"
+        so.enable_cpu_mem_arena = self.tuning.ort_arena
         model = path if isinstance(path, bytes) else str(path)  # bytes: a graph built here (bge-m3 heads)
         return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 

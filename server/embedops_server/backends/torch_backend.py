@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
-
 
 from ..core.engine import Batch, BatchOutput
 from ..core.model_info import CLASSIFIER, EMBEDDER, RERANKER, SPARSE, ModelInfo
+from ..settings import Tuning
 from .base import Backend
 from .dense import TorchDense, load_dense
 from .m3 import colbert_rows, lexical_weights, load_heads
@@ -35,8 +34,8 @@ def load_torch_model(info: ModelInfo, dtype: str = "float32", device: str = "cpu
 # CPU: forwards up to this many padded tokens run on one intra-op thread. With OMP_WAIT_POLICY=PASSIVE (set by
 # the CLI so idle OpenMP threads leave the cores to the tokenizers and the event loop) each parallel region
 # wakes sleeping threads, which costs more than it saves on tiny matrices: one 16-token text 8 ms at 1 thread
-# vs 12-13 ms at 2 (MiniLM-L6, 2 shared cores); 2 threads win from ~64-128 padded tokens.
-SINGLE_THREAD_TOKENS = int(os.environ.get("EMBEDOPS_TORCH_SINGLE_THREAD_TOKENS", "64"))
+# vs 12-13 ms at 2 (MiniLM-L6, 2 shared cores); 2 threads win from ~64-128 padded tokens
+# (Tuning.torch_single_thread_tokens, EMBEDOPS_TORCH_SINGLE_THREAD_TOKENS).
 
 
 # CUDA graphs: small batches are launch-bound (one 32-token query on bert-base: 8.0 ms eager, 0.71 ms replayed
@@ -73,6 +72,7 @@ class TorchBackend(Backend):
                  tokenizer=None):
         import torch
 
+        self.tuning = Tuning()  # the EMBEDOPS_* switches, as the environment sets them now
         if dtype not in _DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}")
         if device == "cpu" and dtype == "float16":
@@ -108,7 +108,7 @@ class TorchBackend(Backend):
         self._uses_tti = "token_type_ids" in inspect.signature(self.model.forward).parameters and int(
             info.config.get("type_vocab_size", 0) or 0) > 0
         self._graphs = None
-        if device.startswith("cuda") and os.environ.get("EMBEDOPS_CUDA_GRAPHS", "1") != "0":
+        if device.startswith("cuda") and self.tuning.cuda_graphs:
             self._graphs = CudaGraphs(self)
 
     def _compute(self, ids, mask, tti, lengths, heads: bool = False):
@@ -178,7 +178,7 @@ class TorchBackend(Backend):
 
     def cpu_threads_for(self, rows: int, cols: int) -> int:
         """Intra-op threads for a CPU forward of this padded shape."""
-        return 1 if rows * cols <= SINGLE_THREAD_TOKENS else self.threads
+        return 1 if rows * cols <= self.tuning.torch_single_thread_tokens else self.threads
 
     def forward(self, batch: Batch) -> BatchOutput:
         if self._graphs is not None and not batch.need_tokens:

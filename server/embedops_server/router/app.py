@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
@@ -14,7 +13,7 @@ from .. import __version__
 from ..core.engine import EngineStats
 from ..core.model_info import ModelError
 from ..service import build_service
-from ..settings import Settings
+from ..settings import Settings, Tuning
 from . import errors, openapi, routes_compat, routes_m3, routes_tei
 from .errors import error_response
 from .fast_path import FastPath
@@ -159,7 +158,7 @@ def create_app(settings: Settings, service=None,
         })
 
     inner = app
-    if os.environ.get("EMBEDOPS_FAST_PATH", "1") != "0":  # the embedding routes without FastAPI's machinery
+    if Tuning().fast_path:  # the embedding routes without FastAPI's machinery
         inner = FastPath(app, settings.payload_limit)
     state = app.state.embedops
     outer = ConnectionCloseMiddleware(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 import time
 
@@ -12,7 +11,7 @@ import uvicorn
 
 from ..asgi import listening_socket
 from ..core.model_info import ModelError
-from ..settings import Settings
+from ..settings import Settings, Tuning
 from .app import create_app
 
 log = logging.getLogger(__name__)
@@ -59,13 +58,12 @@ class DrainingServer(uvicorn.Server):
 
 EXIT_MODEL_ERROR = 3  # the model folder cannot be served (ModelError): restarting will not help
 EXIT_LOAD_FAILED = 1  # loading failed otherwise (memory, disk, a bug): a restart may help
-# Kubernetes shows this file's content as the container's termination message (pod status, and the
-# EmbeddingService's status through the operator); the default terminationMessagePath.
-TERMINATION_LOG = "/dev/termination-log"
 
 
 def write_termination_message(message: str, path: str | None = None) -> None:
-    path = path or os.environ.get("EMBEDOPS_TERMINATION_LOG", TERMINATION_LOG)
+    """Kubernetes shows this file's content as the container's termination message (pod status, and the
+    EmbeddingService's status through the operator): Tuning.termination_log, the default terminationMessagePath."""
+    path = path or Tuning().termination_log
     try:
         with open(path, "w") as f:
             f.write(message[:4000])  # the kubelet keeps at most 4096 bytes
