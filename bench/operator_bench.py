@@ -79,13 +79,14 @@ def floor_manifests(n: int) -> list[dict]:
     """What the operator renders for the N services (no optional CRDs in the cluster), minus owner refs."""
     sys.path.insert(0, str(REPO / "operator"))
     from embedops_operator import render as R
+    from embedops_operator.settings import OperatorSettings
     from embedops_operator.validate import defaulted
 
     out = []
     for i in range(n):
         body = es_body(i)
         body["metadata"].update(namespace=FLOOR_NS, uid="0")
-        for m in R.render(defaulted(body), R.Options.from_env(frozenset())):
+        for m in R.render(defaulted(body), R.Options.of(OperatorSettings(), frozenset())):
             m["metadata"].pop("ownerReferences", None)
             out.append(m)
     return out

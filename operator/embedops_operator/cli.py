@@ -4,10 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
+from pydantic import ValidationError
+
 from . import render, spec, yamlio
+from .settings import OperatorSettings
 
 
 class _JsonFormatter(logging.Formatter):
@@ -37,14 +39,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     import kopf
 
     _setup_logging(args.log_format, args.verbose)
-    namespaces = [n for arg in args.namespace for n in arg.split(",") if n]
-    os.environ["EMBEDOPS_NAMESPACES"] = ",".join(namespaces)
-    if args.resync_seconds:
-        os.environ["EMBEDOPS_RESYNC_SECONDS"] = str(args.resync_seconds)
-    if args.stall_after_seconds:
-        os.environ["EMBEDOPS_STALL_AFTER_SECONDS"] = str(args.stall_after_seconds)
-    from . import handlers  # noqa: F401 - registers the handlers
+    flags = {"namespaces": [n for arg in args.namespace for n in arg.split(",") if n] or None,
+             "resync_seconds": args.resync_seconds, "stall_after_seconds": args.stall_after_seconds}
+    settings = load_settings({k: v for k, v in flags.items() if v is not None})
+    if settings is None:
+        return 2
+    namespaces = list(settings.namespaces)
+    from . import handlers  # registers the handlers
     from . import metrics
+
+    handlers.configure(settings)
     from .runtime import leader
 
     access = None
@@ -77,7 +81,10 @@ def cmd_render(args: argparse.Namespace) -> int:
     if args.without:
         skip = {k.lower() for k in args.without}
         capabilities = frozenset(c for c in capabilities if c[1].lower() not in skip)
-    options = render.Options.from_env(capabilities)
+    settings = load_settings({})
+    if settings is None:
+        return 2
+    options = render.Options.of(settings, capabilities)
     from .validate import validate
 
     out: list[dict] = []
@@ -104,6 +111,19 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_settings(flags: dict) -> OperatorSettings | None:
+    """The operator's settings from its flags, then its EMBEDOPS_* variables; None (and one line per bad value on
+    stderr) when one does not validate."""
+    try:
+        return OperatorSettings(**flags)
+    except ValidationError as e:
+        for err in e.errors():
+            field = str(err["loc"][0]) if err["loc"] else ""
+            source = f"--{field.replace('_', '-')}" if field in flags else OperatorSettings.env_name(field)
+            print(f"embedops-operator: {source}: {err['msg']}, got {err.get('input')!r}", file=sys.stderr)
+        return None
+
+
 def cmd_crd(_: argparse.Namespace) -> int:
     sys.stdout.write(yamlio.dump(spec.crd()))
     return 0
@@ -113,12 +133,15 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="embedops-operator", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the operator (kopf) against the current kubeconfig / in-cluster")
-    run.add_argument("-n", "--namespace", action="append", default=[],
-                     help="namespace to watch (repeat or comma-separate); default: all namespaces")
     run.add_argument("--log-format", choices=["text", "json"], default="text")
     run.add_argument("--verbose", action="store_true")
-    run.add_argument("--resync-seconds", type=float, default=None)
-    run.add_argument("--stall-after-seconds", type=float, default=None)
+    run.add_argument("-n", "--namespace", action="append", default=[],
+                     help="namespace to watch (repeat or comma-separate); default: $EMBEDOPS_NAMESPACES, else all")
+    run.add_argument("--resync-seconds", type=float, default=None,
+                     help="seconds between full re-reconciles (default: $EMBEDOPS_RESYNC_SECONDS, else 60)")
+    run.add_argument("--stall-after-seconds", type=float, default=None,
+                     help="seconds a pod may stay pending or failing before Stalled (default: "
+                          "$EMBEDOPS_STALL_AFTER_SECONDS, else 60)")
     run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                      help="liveness endpoint URL ('' to disable)")
     run.add_argument("--metrics-address", default="0.0.0.0:8081",

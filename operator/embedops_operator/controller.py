@@ -22,7 +22,8 @@ from functools import partial
 from . import apply, metrics, render, spec
 from .runtime import client, watchcache
 from .runtime.cachedkube import CachedKube
-from .reconcile import Reconciler, Settings
+from .reconcile import Reconciler
+from .settings import OperatorSettings
 from .runtime.workqueue import WorkQueue
 
 log = logging.getLogger("embedops.controller")
@@ -81,9 +82,9 @@ INDEX_LABELS = {spec.KIND: None, "ConfigMap": None}
 
 
 class Controller:
-    def __init__(self, kube: apply.Kube, settings: Settings | None = None, workers: int = 4):
+    def __init__(self, kube: apply.Kube, settings: OperatorSettings | None = None, workers: int = 4):
         self.kube = kube
-        self.settings = settings or Settings()
+        self.settings = settings or OperatorSettings()
         # discovery is refreshed by the resync loop; reconciles in between reuse it
         kube.capability_ttl = max(kube.capability_ttl, self.settings.resync_seconds)
         self.cache = CachedKube(kube, on_capabilities=self._optional_kinds)

@@ -16,10 +16,16 @@ import kopf
 
 from . import apply
 from .controller import Controller
-from .reconcile import Settings
+from .settings import OperatorSettings
 
 log = logging.getLogger("embedops.handlers")
 _state: dict = {}
+
+
+def configure(settings: OperatorSettings) -> None:
+    """The settings `embedops-operator run` read (flags over variables), for the controller kopf starts below;
+    without them (an operator embedded in a test), the controller reads its variables itself."""
+    _state["settings"] = settings
 
 
 @kopf.on.login()
@@ -44,7 +50,7 @@ async def startup(settings: kopf.OperatorSettings, **_: object) -> None:
         # urllib3 warns on every retry of every request while the API server is away; the client's ApiHealth logs
         # one line per kind of failure instead
         logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
-    controller = Controller(apply.Kube(), Settings.from_env())
+    controller = Controller(apply.Kube(), _state.get("settings") or OperatorSettings())
     _state["controller"] = controller
     await asyncio.to_thread(controller.start)
 

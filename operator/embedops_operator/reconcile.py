@@ -7,11 +7,9 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
-import os
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Callable
 
 from kubernetes.client.rest import ApiException
@@ -21,26 +19,13 @@ from . import apply, litellm, memory, render, spaces, status, upgrades
 from .intent import Intent
 from .runtime.client import unavailable_reason
 from .runtime.delayed import DelayedCalls
+from .settings import OperatorSettings
 from .spec import API_VERSION, KIND
 
 log = logging.getLogger("embedops.reconcile")
 SPACES_MANAGER = "embedops-spaces"  # the field manager of the tracks' serving/retired annotations
 # lastTransitionTime has one-second resolution: recheck a little after the stall deadline, not on it.
 RECHECK_MARGIN = 1.0
-
-
-@dataclass
-class Settings:
-    stall_after: float = 60.0
-    namespaces: list[str] = field(default_factory=list)  # empty: all
-    resync_seconds: float = 60.0
-
-    @classmethod
-    def from_env(cls) -> "Settings":
-        ns = [n for n in os.environ.get("EMBEDOPS_NAMESPACES", "").split(",") if n.strip()]
-        return cls(stall_after=float(os.environ.get("EMBEDOPS_STALL_AFTER_SECONDS", "60")),
-                   namespaces=[n.strip() for n in ns],
-                   resync_seconds=float(os.environ.get("EMBEDOPS_RESYNC_SECONDS", "60")))
 
 
 def _api_message(exc: ApiException) -> str:
@@ -66,9 +51,9 @@ def reindex_state(job: dict | None) -> str | None:
 
 
 class Reconciler:
-    def __init__(self, kube: apply.Kube, settings: Settings | None = None):
+    def __init__(self, kube: apply.Kube, settings: OperatorSettings | None = None):
         self.kube = kube
-        self.settings = settings or Settings()
+        self.settings = settings or OperatorSettings()
         self._locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
         self._guard = threading.Lock()
         # status rechecks due later (a pending pod's stall deadline): one heap and thread for all services
@@ -89,7 +74,7 @@ class Reconciler:
             return self._locks[key]
 
     def options(self) -> render.Options:
-        return render.Options.from_env(self.kube.capabilities())
+        return render.Options.of(self.settings, self.kube.capabilities())
 
     def reconcile(self, namespace: str, name: str, apply_children: bool = True) -> dict | None:
         """Bring one EmbeddingService's children and status up to date. Returns the written status or None."""
@@ -184,7 +169,7 @@ class Reconciler:
                 observed.space_waiting = plan.waiting
             written = self.write_status(resource, observed, options, intent)
             self._release_upgrade((namespace, name), written or resource.get("status") or {})
-            wait = status.stall_check_in(observed.pods, dt.datetime.now(dt.timezone.utc), self.settings.stall_after)
+            wait = status.stall_check_in(observed.pods, dt.datetime.now(dt.timezone.utc), self.settings.stall_after_seconds)
             if wait is not None:
                 self._recheck((namespace, name), wait + RECHECK_MARGIN)
             return written
@@ -449,7 +434,7 @@ class Reconciler:
     def write_status(self, resource: dict, observed: status.Observed, options: render.Options,
                      intent: Intent | None = None) -> dict | None:
         """`intent`: the resource parsed (None: its spec did not parse, and the status says why)."""
-        new = status.normalized(status.compute(resource, observed, options, stall_after=self.settings.stall_after,
+        new = status.normalized(status.compute(resource, observed, options, stall_after=self.settings.stall_after_seconds,
                                                parsed=intent.es if intent is not None else None))
         if new == status.normalized(resource.get("status")):
             return None

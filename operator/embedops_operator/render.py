@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shlex
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +15,7 @@ from jinja2 import Environment, StrictUndefined
 from embedops_server import sizing
 
 from . import memory
+from .settings import OperatorSettings
 from .spec import API_VERSION, EmbeddingService, EmbeddingServiceSpec, GFD_PRODUCT, KIND, ModelSpec, NFD_CPUID, parse as parse_resource
 
 MANAGER = "embedops"
@@ -69,45 +69,33 @@ def route_paths(spec: EmbeddingServiceSpec) -> list[tuple[str, str]]:
     return paths + [("PathPrefix", "/v1/models")]
 
 
+def _default(option: str) -> Any:
+    return OperatorSettings.model_fields[option].default
+
+
 @dataclass(frozen=True)
 class Options:
-    """Operator-level settings that rendering depends on (never read from the environment inside render)."""
-    cpu_image: str = "ghcr.io/embedops/embedops-server:0.1.0-cpu"
-    cuda_image: str = "ghcr.io/embedops/embedops-server:0.1.0-cuda"
-    cluster_domain: str = "cluster.local"
+    """What rendering depends on beyond the spec: the operator's settings (settings.py, read once at start; never
+    the environment inside render) and the optional kinds the cluster serves now."""
+    cpu_image: str = _default("server_image_cpu")
+    cuda_image: str = _default("server_image_cuda")
+    cluster_domain: str = _default("cluster_domain")
     # Optional third-party kinds installed in the cluster: ("apiVersion", "Kind") pairs.
     capabilities: frozenset[tuple[str, str]] = field(default_factory=lambda: frozenset(OPTIONAL_KINDS))
-    # Running services whose spec did not change: "Keep" their pods as they are across operator upgrades (a new
-    # server image or template revision waits for their next spec change), or "Roll" them to it, at most
-    # `max_concurrent_upgrades` services at a time, each Ready before the next starts (reconcile.py)
-    pod_upgrades: str = "Keep"
-    max_concurrent_upgrades: int = 1
-    # Where the platform's callers run, for services with spec.networkPolicy (the chart's networkPolicy.*): the
-    # gateway's pods (admitted when the service has a route), Prometheus' (when it has a ServiceMonitor) and
-    # KEDA's operator (the scale-from-zero demand on the activator's admin port)
-    gateway_namespaces: tuple[str, ...] = ()
+    pod_upgrades: str = _default("pod_upgrades")  # OperatorSettings.pod_upgrades
+    max_concurrent_upgrades: int = _default("max_concurrent_upgrades")
+    gateway_namespaces: tuple[str, ...] = ()  # OperatorSettings.gateway_namespaces and the two below
     prometheus_namespaces: tuple[str, ...] = ()
     keda_namespaces: tuple[str, ...] = ()
 
     @classmethod
-    def from_env(cls, capabilities: frozenset[tuple[str, str]] | None = None) -> "Options":
-        base = cls()
-        return cls(
-            cpu_image=os.environ.get("EMBEDOPS_SERVER_IMAGE_CPU", base.cpu_image),
-            cuda_image=os.environ.get("EMBEDOPS_SERVER_IMAGE_CUDA", base.cuda_image),
-            cluster_domain=os.environ.get("EMBEDOPS_CLUSTER_DOMAIN", base.cluster_domain),
-            capabilities=base.capabilities if capabilities is None else capabilities,
-            pod_upgrades="Roll" if os.environ.get("EMBEDOPS_POD_UPGRADES", "").lower() == "roll" else "Keep",
-            max_concurrent_upgrades=max(1, int(os.environ.get("EMBEDOPS_MAX_CONCURRENT_UPGRADES", "1") or 1)),
-            gateway_namespaces=_names(os.environ.get("EMBEDOPS_GATEWAY_NAMESPACES", "")),
-            prometheus_namespaces=_names(os.environ.get("EMBEDOPS_PROMETHEUS_NAMESPACES", "")),
-            keda_namespaces=_names(os.environ.get("EMBEDOPS_KEDA_NAMESPACES", "")),
-        )
-
-
-def _names(text: str) -> tuple[str, ...]:
-    """A comma- or space-separated list of namespaces, sorted and without duplicates."""
-    return tuple(sorted({n for n in text.replace(",", " ").split() if n}))
+    def of(cls, settings: OperatorSettings, capabilities: frozenset[tuple[str, str]] | None = None) -> "Options":
+        return cls(cpu_image=settings.server_image_cpu, cuda_image=settings.server_image_cuda,
+                   cluster_domain=settings.cluster_domain,
+                   capabilities=frozenset(OPTIONAL_KINDS) if capabilities is None else capabilities,
+                   pod_upgrades=settings.pod_upgrades, max_concurrent_upgrades=settings.max_concurrent_upgrades,
+                   gateway_namespaces=settings.gateway_namespaces, keda_namespaces=settings.keda_namespaces,
+                   prometheus_namespaces=settings.prometheus_namespaces)
 
 
 # ---------------------------------------------------------------------------------------------------- template revisions

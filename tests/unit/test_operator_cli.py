@@ -61,3 +61,35 @@ def test_load_all_keeps_mappings_and_skips_empty_documents():
     assert yamlio.load_all("---\n---\nkind: A\n---\n# only a comment\n") == [{"kind": "A"}]
     with pytest.raises(yamlio.ManifestError, match=r"^svc.yaml: not valid YAML: line 1, column 5: "):
         yamlio.load_all("a: b: c\n", "svc.yaml")
+
+
+def test_the_operators_settings_come_from_its_variables_once_and_refuse_bad_values(monkeypatch):
+    """The chart's variables fill OperatorSettings (comma lists, policy in any case); a bad one is one line naming
+    the variable, exit 2, before anything renders or starts."""
+    from embedops_operator.settings import OperatorSettings
+
+    monkeypatch.setenv("EMBEDOPS_GATEWAY_NAMESPACES", "traefik, gateway,traefik")
+    monkeypatch.setenv("EMBEDOPS_POD_UPGRADES", "roll")
+    monkeypatch.setenv("EMBEDOPS_NAMESPACES", "")
+    s = OperatorSettings()
+    assert s.gateway_namespaces == ("gateway", "traefik") and s.pod_upgrades == "Roll" and s.namespaces == ()
+    assert OperatorSettings(namespaces=["b", "a"]).namespaces == ("a", "b")  # what --namespace passes
+    example = (REPO / "examples" / "cpu-ingestion.yaml").read_text()
+    res = subprocess.run([sys.executable, "-m", "embedops_operator.cli", "render", "-f", "-"], input=example,
+                         capture_output=True, text=True, cwd=REPO, timeout=60,
+                         env={"PYTHONPATH": str(REPO / "operator"), "EMBEDOPS_MAX_CONCURRENT_UPGRADES": "none"})
+    assert res.returncode == 2 and res.stdout == "" and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.startswith("embedops-operator: EMBEDOPS_MAX_CONCURRENT_UPGRADES: "), res.stderr
+
+
+def test_no_operator_module_reads_its_options_from_the_environment():
+    """Options reach the reconciler as an object (settings.py): only the runtime reads the pod's identity and
+    the kubeconfig path, as client libraries do."""
+    import re
+
+    allowed = {"runtime/leader.py", "runtime/client.py"}
+    for path in (REPO / "operator" / "embedops_operator").rglob("*.py"):
+        rel = path.relative_to(REPO / "operator" / "embedops_operator").as_posix()
+        if rel not in allowed:
+            # (not LiteLLM's `os.environ/NAME` reference, which is text of its config)
+            assert not re.search(r"os\.environ(?!/)|os\.getenv", path.read_text()), rel

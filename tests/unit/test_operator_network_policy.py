@@ -7,6 +7,7 @@ import copy
 from embedops_operator import apply as A
 from embedops_operator import controller as C
 from embedops_operator import render as R
+from embedops_operator.settings import OperatorSettings
 from embedops_operator.validate import defaulted, validate
 from tests.unit.operator_helpers import CPU, es
 
@@ -110,7 +111,7 @@ def test_platform_namespaces_from_the_environment(monkeypatch):
     monkeypatch.setenv("EMBEDOPS_GATEWAY_NAMESPACES", "traefik, gateway")
     monkeypatch.setenv("EMBEDOPS_PROMETHEUS_NAMESPACES", "monitoring")
     monkeypatch.delenv("EMBEDOPS_KEDA_NAMESPACES", raising=False)
-    o = R.Options.from_env()
+    o = R.Options.of(OperatorSettings())
     assert (o.gateway_namespaces, o.prometheus_namespaces, o.keda_namespaces) == (
         ("gateway", "traefik"), ("monitoring",), ())
 

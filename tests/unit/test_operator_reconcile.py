@@ -9,7 +9,8 @@ import pytest
 
 from embedops_operator import apply as A
 from embedops_operator import render as R
-from embedops_operator.reconcile import Reconciler, Settings
+from embedops_operator.reconcile import Reconciler
+from embedops_operator.settings import OperatorSettings as Settings
 from embedops_operator.validate import defaulted
 from tests.unit.operator_helpers import CPU, MIG, es
 
@@ -308,7 +309,7 @@ def test_deleted_service_removes_its_litellm_key(kube):
 def test_stalled_is_written_when_the_grace_period_ends_without_another_event(kube):
     """No event marks the moment a pending pod has waited stallAfterSeconds: the reconciler sets a timer."""
     kube.create_service(copy.deepcopy(MIG))
-    rec = Reconciler(kube, Settings(stall_after=3.0, resync_seconds=3600))
+    rec = Reconciler(kube, Settings(stall_after_seconds=3.0, resync_seconds=3600))
     rec.reconcile("ml", "svc")
     since = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     labels = kube.get("apps/v1", "Deployment", "ml", "svc")["spec"]["template"]["metadata"]["labels"]
@@ -639,6 +640,7 @@ def test_a_new_server_image_in_the_operators_options_waits_for_the_spec(kube, mo
     rec.reconcile("ml", "svc")
     before = copy.deepcopy(kube.objects[(*DEPLOYMENT, "svc")])
     monkeypatch.setenv("EMBEDOPS_SERVER_IMAGE_CUDA", "registry/embedops-server:0.2.0-cuda")
+    rec = Reconciler(kube, Settings())  # the operator restarted with the new image in its settings
     status = rec.reconcile("ml", "svc")
     assert kube.objects[(*DEPLOYMENT, "svc")]["spec"] == before["spec"]
     assert status["podTemplates"][0]["pending"].startswith("image registry/embedops-server:0.2.0-cuda (runs ")

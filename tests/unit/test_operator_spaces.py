@@ -10,7 +10,8 @@ import pytest
 
 from embedops_operator import render as R
 from embedops_operator import spaces as S
-from embedops_operator.reconcile import Reconciler, Settings
+from embedops_operator.reconcile import Reconciler
+from embedops_operator.settings import OperatorSettings as Settings
 from tests.unit.operator_helpers import CPU
 from tests.unit.test_operator_reconcile import FakeKube
 

@@ -7,7 +7,8 @@ import copy
 import datetime as dt
 
 from embedops_operator import render as R
-from embedops_operator.reconcile import Reconciler, Settings
+from embedops_operator.reconcile import Reconciler
+from embedops_operator.settings import OperatorSettings as Settings
 from tests.unit.operator_helpers import MIG
 from tests.unit.test_operator_reconcile import FakeKube
 
