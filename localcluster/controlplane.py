@@ -160,6 +160,24 @@ def _node_step(fn, *args, **kwargs):
         raise RealNodeError(f"{type(e).__name__}: {msg}"[:400]) from e
 
 
+@dataclass(frozen=True)
+class Ports:
+    """The control plane's local ports, free ones chosen at each start."""
+    etcd: int
+    etcd_peer: int
+    api: int
+    controller_manager: int
+    scheduler: int
+    kwok: int
+
+
+def _node_ip() -> str:
+    """The real node's address on its bridge (imported only where a real node is started)."""
+    from localcluster.node import HOST_IP
+
+    return HOST_IP
+
+
 @dataclass
 class Cluster:
     run_dir: Path = field(default_factory=default_run_dir)
@@ -276,7 +294,8 @@ class Cluster:
         raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; see {self.run_dir / 'logs'}")
 
     def up(self, timeout: float = 180) -> Path:
-        """Start the control plane (or reuse a healthy one started from this run dir)."""
+        """Start the control plane (or reuse a healthy one started from this run dir): etcd, the API server, the
+        controller manager and scheduler, kwok and its simulated nodes, then the real node when there is one."""
         if self.running():
             return self.kubeconfig
         self.down(quiet=True)
@@ -287,117 +306,31 @@ class Cluster:
         shutil.rmtree(rd / "etcd-data", ignore_errors=True)
         shutil.rmtree(rd / "logs", ignore_errors=True)
         (rd / "logs").mkdir()
-        etcd_port, peer_port, api_port, kcm_port, sched_port, kwok_port = (free_port() for _ in range(6))
+        ports = Ports(*(free_port() for _ in range(6)))
         node = None
         if self.real_node:
-            from localcluster.node import HOST_IP, NodeBinaries
+            from localcluster.node import NodeBinaries
             NodeBinaries.from_cache()
             node = self._node()
             # bridge, routes, guards (one keeps the API server's port to lo and the bridge): before it listens
-            _node_step(node.prepare, api_port)
-        pki = rd / "pki"
-        make_pki(pki, (HOST_IP,) if node else ())
-        # the aggregation layer's front proxy: the API server's client certificate towards aggregated API
-        # servers (KEDA's metrics adapter), which trust the identity headers it sends (--requestheader-*)
-        make_client_cert(pki, pki, "front-proxy-client", "/CN=front-proxy-client")
+            _node_step(node.prepare, ports.api)
+        pki = self._pki(with_node_ip=node is not None)
         # Host clients (kubeconfig, the node's own components) always use 127.0.0.1: nothing on the host ever
         # depends on the bridge address, so none of it can be routed off the machine once the bridge is gone.
-        server = f"https://127.0.0.1:{api_port}"
+        server = f"https://127.0.0.1:{ports.api}"
         state: dict = {"server": server, "procs": [], "started": time.time(), "real_node": bool(node)}
         self.save_state(state)
         write_kubeconfig(self.kubeconfig, server, pki)
-        kc = str(self.kubeconfig)
         try:
-            self.spawn(state, "etcd", [
-                str(bins.etcd), "--name=embedops", f"--data-dir={rd / 'etcd-data'}",
-                f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
-                f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
-                f"--listen-peer-urls=http://127.0.0.1:{peer_port}",
-                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
-                f"--initial-cluster=embedops=http://127.0.0.1:{peer_port}",
-                "--unsafe-no-fsync", "--log-level=warn", "--quota-backend-bytes=4294967296",
-            ])
-            # the API server gives up on a store that does not answer within seconds ("error creating storage
-            # factory: context deadline exceeded"); on a loaded machine etcd's start can take longer than that
-            self._wait("etcd /health", lambda: self._etcd_healthy(f"http://127.0.0.1:{etcd_port}"), timeout, state)
-            self.spawn(state, "kube-apiserver", [
-                str(bins.apiserver),
-                f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-                # with the real node it listens on all addresses (pods come in on 10.245.0.1, the advertised address;
-                # node.py's EMBEDOPS-IN guard drops the port on any other interface than lo and the bridge)
-                f"--bind-address={'0.0.0.0' if node else '127.0.0.1'}",
-                f"--advertise-address={HOST_IP if node else '127.0.0.1'}", f"--secure-port={api_port}",
-                f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
-                f"--client-ca-file={pki / 'ca.crt'}",
-                "--authorization-mode=Node,RBAC",
-                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                f"--service-account-key-file={pki / 'sa.pub'}",
-                f"--service-account-signing-key-file={pki / 'sa.key'}",
-                "--service-cluster-ip-range=10.96.0.0/16",
-                "--allow-privileged=true",
-                # with the real node, the `kubernetes` Service points at the API server on the bridge (pods'
-                # in-cluster config); without, nothing could reach it
-                "--endpoint-reconciler-type=" + ("lease" if node else "none"),
-                *([f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
-                   f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
-                   f"--kubelet-certificate-authority={pki / 'ca.crt'}",
-                   # logs/exec: the node's IP, never its name through the machine's resolver
-                   "--kubelet-preferred-address-types=InternalIP"] if node else []),
-                f"--cert-dir={rd / 'apiserver-certs'}",
-                f"--requestheader-client-ca-file={pki / 'ca.crt'}",
-                "--requestheader-allowed-names=front-proxy-client",
-                "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
-                "--requestheader-extra-headers-prefix=X-Remote-Extra-",
-                f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
-                f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
-                # to an aggregated API server's endpoint (a pod on the bridge), not its Service's cluster IP
-                "--enable-aggregator-routing=true",
-                "--v=1",
-            ])
-            self._wait("kube-apiserver /readyz", lambda: self._readyz(state), timeout, state)
+            self._start_etcd(state, bins, ports, timeout)
+            self._start_apiserver(state, bins, ports, pki, node is not None, timeout)
             t_api = time.monotonic() - t0
-            self.spawn(state, "kube-controller-manager", [
-                str(bins.controller_manager), f"--kubeconfig={kc}",
-                f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
-                "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={kcm_port}",
-                f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
-                "--service-cluster-ip-range=10.96.0.0/16", "--controllers=*",
-                # kwok renews the fake nodes' leases; on a loaded 2-core machine a renewal can come late and the
-                # default 50 s grace then taints every node not-ready/unreachable, so nothing schedules (seen
-                # in e2e: "3 node(s) had untolerated taint(s)", with etcd 3.5.1, whose missing watch progress
-                # made kwok's lease updates fail on conflicts for tens of seconds). A fake node's health is
-                # not under test.
-                "--node-monitor-grace-period=300s",
-                f"--cert-dir={rd / 'kcm-certs'}", "--v=1",
-            ])
-            self.spawn(state, "kube-scheduler", [
-                str(bins.scheduler), f"--kubeconfig={kc}",
-                f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
-                "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={sched_port}",
-                f"--cert-dir={rd / 'scheduler-certs'}", "--v=1",
-            ])
-            stages = sorted(bins.kwok_stages.glob("*.yaml"))
-            kwok_cfg = rd / "kwok.yaml"
-            kwok_cfg.write_text("\n---\n".join(p.read_text() for p in stages))
-            self.spawn(state, "kwok", [
-                str(bins.kwok), f"--kubeconfig={kc}", f"--config={kwok_cfg}",
-                "--manage-all-nodes=false",
-                "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-                f"--server-address=127.0.0.1:{kwok_port}",
-                "--node-ip=127.0.0.1", "--cidr=10.244.0.0/16", "--node-lease-duration-seconds=40",
-            ])
+            self._start_controllers(state, bins, ports, pki)
+            self._start_kwok(state, bins, ports)
             self._bootstrap(state, timeout)
             t_cp = time.monotonic() - t0
             if node:
-                from kubernetes import config
-
-                api = config.new_client_from_config(config_file=str(self.kubeconfig))
-                try:
-                    _node_step(node.up, server, pki, api, timeout=timeout)
-                finally:
-                    api.close()
-                state["real_node_ready_seconds"] = node.ready_seconds
-                state["real_node_up_seconds"] = node.up_seconds
+                self._start_real_node(state, node, server, pki, timeout)
         except BaseException:
             self.down(quiet=True)
             raise
@@ -406,6 +339,112 @@ class Cluster:
         state["apiserver_seconds"] = round(t_api, 1)
         self.save_state(state)
         return self.kubeconfig
+
+    def _pki(self, with_node_ip: bool) -> Path:
+        pki = self.run_dir / "pki"
+        make_pki(pki, (_node_ip(),) if with_node_ip else ())
+        # the aggregation layer's front proxy: the API server's client certificate towards aggregated API
+        # servers (KEDA's metrics adapter), which trust the identity headers it sends (--requestheader-*)
+        make_client_cert(pki, pki, "front-proxy-client", "/CN=front-proxy-client")
+        return pki
+
+    def _start_etcd(self, state: dict, bins: Binaries, ports: Ports, timeout: float) -> None:
+        self.spawn(state, "etcd", [
+            str(bins.etcd), "--name=embedops", f"--data-dir={self.run_dir / 'etcd-data'}",
+            f"--listen-client-urls=http://127.0.0.1:{ports.etcd}",
+            f"--advertise-client-urls=http://127.0.0.1:{ports.etcd}",
+            f"--listen-peer-urls=http://127.0.0.1:{ports.etcd_peer}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{ports.etcd_peer}",
+            f"--initial-cluster=embedops=http://127.0.0.1:{ports.etcd_peer}",
+            "--unsafe-no-fsync", "--log-level=warn", "--quota-backend-bytes=4294967296",
+        ])
+        # the API server gives up on a store that does not answer within seconds ("error creating storage
+        # factory: context deadline exceeded"); on a loaded machine etcd's start can take longer than that
+        self._wait("etcd /health", lambda: self._etcd_healthy(f"http://127.0.0.1:{ports.etcd}"), timeout, state)
+
+    def _start_apiserver(self, state: dict, bins: Binaries, ports: Ports, pki: Path, node: bool,
+                         timeout: float) -> None:
+        self.spawn(state, "kube-apiserver", [
+            str(bins.apiserver),
+            f"--etcd-servers=http://127.0.0.1:{ports.etcd}",
+            # with the real node it listens on all addresses (pods come in on 10.245.0.1, the advertised address;
+            # node.py's EMBEDOPS-IN guard drops the port on any other interface than lo and the bridge)
+            f"--bind-address={'0.0.0.0' if node else '127.0.0.1'}",
+            f"--advertise-address={_node_ip() if node else '127.0.0.1'}", f"--secure-port={ports.api}",
+            f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
+            f"--client-ca-file={pki / 'ca.crt'}",
+            "--authorization-mode=Node,RBAC",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={pki / 'sa.pub'}",
+            f"--service-account-signing-key-file={pki / 'sa.key'}",
+            "--service-cluster-ip-range=10.96.0.0/16",
+            "--allow-privileged=true",
+            # with the real node, the `kubernetes` Service points at the API server on the bridge (pods'
+            # in-cluster config); without, nothing could reach it
+            "--endpoint-reconciler-type=" + ("lease" if node else "none"),
+            *([f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+               f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+               f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+               # logs/exec: the node's IP, never its name through the machine's resolver
+               "--kubelet-preferred-address-types=InternalIP"] if node else []),
+            f"--cert-dir={self.run_dir / 'apiserver-certs'}",
+            f"--requestheader-client-ca-file={pki / 'ca.crt'}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
+            f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
+            # to an aggregated API server's endpoint (a pod on the bridge), not its Service's cluster IP
+            "--enable-aggregator-routing=true",
+            "--v=1",
+        ])
+        self._wait("kube-apiserver /readyz", lambda: self._readyz(state), timeout, state)
+
+    def _start_controllers(self, state: dict, bins: Binaries, ports: Ports, pki: Path) -> None:
+        kc = str(self.kubeconfig)
+        self.spawn(state, "kube-controller-manager", [
+            str(bins.controller_manager), f"--kubeconfig={kc}",
+            f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
+            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={ports.controller_manager}",
+            f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
+            "--service-cluster-ip-range=10.96.0.0/16", "--controllers=*",
+            # kwok renews the fake nodes' leases; on a loaded 2-core machine a renewal can come late and the
+            # default 50 s grace then taints every node not-ready/unreachable, so nothing schedules (seen
+            # in e2e: "3 node(s) had untolerated taint(s)", with etcd 3.5.1, whose missing watch progress
+            # made kwok's lease updates fail on conflicts for tens of seconds). A fake node's health is
+            # not under test.
+            "--node-monitor-grace-period=300s",
+            f"--cert-dir={self.run_dir / 'kcm-certs'}", "--v=1",
+        ])
+        self.spawn(state, "kube-scheduler", [
+            str(bins.scheduler), f"--kubeconfig={kc}",
+            f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
+            "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={ports.scheduler}",
+            f"--cert-dir={self.run_dir / 'scheduler-certs'}", "--v=1",
+        ])
+
+    def _start_kwok(self, state: dict, bins: Binaries, ports: Ports) -> None:
+        stages = sorted(bins.kwok_stages.glob("*.yaml"))
+        kwok_cfg = self.run_dir / "kwok.yaml"
+        kwok_cfg.write_text("\n---\n".join(p.read_text() for p in stages))
+        self.spawn(state, "kwok", [
+            str(bins.kwok), f"--kubeconfig={self.kubeconfig}", f"--config={kwok_cfg}",
+            "--manage-all-nodes=false",
+            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+            f"--server-address=127.0.0.1:{ports.kwok}",
+            "--node-ip=127.0.0.1", "--cidr=10.244.0.0/16", "--node-lease-duration-seconds=40",
+        ])
+
+    def _start_real_node(self, state: dict, node, server: str, pki: Path, timeout: float) -> None:
+        from kubernetes import config
+
+        api = config.new_client_from_config(config_file=str(self.kubeconfig))
+        try:
+            _node_step(node.up, server, pki, api, timeout=timeout)
+        finally:
+            api.close()
+        state["real_node_ready_seconds"] = node.ready_seconds
+        state["real_node_up_seconds"] = node.up_seconds
 
     def _bootstrap(self, state: dict, timeout: float) -> None:
         from kubernetes import client, config

@@ -569,7 +569,7 @@ class RealNode:
         """Start containerd, kubelet, kube-proxy and CoreDNS against the API server at ``server`` and wait
         until the node is Ready and CoreDNS serves. Call after ``prepare()`` and once the control plane is
         up; ``pki`` has ``ca.crt``/``ca.key``; ``api`` is an admin ``kubernetes.client.ApiClient``."""
-        from .pki import free_port, make_client_cert, make_serving_cert
+        from kubernetes import client
 
         if api is not None:
             _apply_rbac(api)
@@ -582,7 +582,21 @@ class RealNode:
             (d / sub).mkdir(parents=True, exist_ok=True)
         for sub in ("cni/net.d", "cni/ipam", "runc"):
             (STATE / sub).mkdir(parents=True, exist_ok=True)
-        npki = d / "pki"
+        kcs = self._credentials(server, pki)
+        self._start_containerd(pause_name, pause_tar)
+        self._start_coredns(bins, kcs["coredns"])
+        self._start_kube_proxy(bins, kcs["kube-proxy"])
+        t_kubelet = time.monotonic()
+        self._start_kubelet(bins, pki, kcs["kubelet-client"], pause_name)
+        self._finish(client.CoreV1Api(api), t_kubelet, timeout)
+        self._start_kube_router(bins, kcs["kube-router"], timeout)
+        self.up_seconds = round(time.monotonic() - t0, 1)
+
+    def _credentials(self, server: str, pki: Path) -> dict[str, Path]:
+        """The node components' client certificates, the kubelet's serving one, and a kubeconfig per component."""
+        from .pki import make_client_cert, make_serving_cert
+
+        npki = self.data / "pki"
         for name, subj in (("kubelet-client", f"/O=system:nodes/CN=system:node:{NODE_NAME}"),
                            ("kube-proxy", "/CN=system:kube-proxy"),
                            ("coredns", "/CN=embedops:coredns"),
@@ -591,10 +605,12 @@ class RealNode:
         make_serving_cert(pki, npki, "kubelet-serving", f"/CN={NODE_NAME}", [f"IP:{HOST_IP}", f"DNS:{NODE_NAME}"])
         kcs = {}
         for name in ("kubelet-client", "kube-proxy", "coredns", "kube-router"):
-            kcs[name] = d / f"{name}.kubeconfig"
+            kcs[name] = self.data / f"{name}.kubeconfig"
             _write_kubeconfig(kcs[name], server, pki / "ca.crt", npki / f"{name}.crt", npki / f"{name}.key")
+        return kcs
 
-        # containerd ---------------------------------------------------------------------------------
+    def _start_containerd(self, pause_name: str, pause_tar) -> None:
+        d = self.data
         (STATE / "cni" / "net.d" / "10-embedops.conflist").write_text(json.dumps({
             "cniVersion": "1.0.0", "name": "embedops",
             "plugins": [{
@@ -619,18 +635,24 @@ class RealNode:
                                                      check=False).returncode == 0, 30)
         import_into_containerd(str(SOCK), [pause_tar])
 
-        # CoreDNS --------------------------------------------------------------------------------------
+    def _start_coredns(self, bins: NodeBinaries, kubeconfig: Path) -> None:
+        from .pki import free_port
+
+        d = self.data
         ready_port, health_port = free_port(), free_port()
         corefile = d / "Corefile"
         corefile.write_text(COREFILE.format(ip=DNS_IP, domain=CLUSTER_DOMAIN, ready=ready_port,
-                                            health=health_port, kubeconfig=kcs["coredns"]))
+                                            health=health_port, kubeconfig=kubeconfig))
         self._spawn("coredns", [str(bins.coredns), "-conf", str(corefile)])
 
-        # kube-proxy ---------------------------------------------------------------------------------
+    def _start_kube_proxy(self, bins: NodeBinaries, kubeconfig: Path) -> None:
+        from .pki import free_port
+
+        d = self.data
         kp = d / "kube-proxy.yaml"
         kp.write_text(json.dumps({
             "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
-            "clientConnection": {"kubeconfig": str(kcs["kube-proxy"])},
+            "clientConnection": {"kubeconfig": str(kubeconfig)},
             "mode": "iptables", "clusterCIDR": POD_CIDR, "hostnameOverride": NODE_NAME,
             "bindAddress": HOST_IP,
             "healthzBindAddress": f"127.0.0.1:{free_port()}", "metricsBindAddress": f"127.0.0.1:{free_port()}",
@@ -646,8 +668,11 @@ class RealNode:
         }, indent=1))
         self._spawn("kube-proxy", [str(bins.kube_proxy), f"--config={kp}", "--v=1"])
 
+    def _start_kubelet(self, bins: NodeBinaries, pki: Path, kubeconfig: Path, pause_name: str) -> None:
+        from .pki import free_port
 
-        # kubelet --------------------------------------------------------------------------------------
+        d = self.data
+        npki = d / "pki"
         resolv = d / "resolv.conf"
         resolv.write_text("# no host resolvers: pods only ever see the cluster DNS\n")
         static = d / "static-pods"
@@ -680,32 +705,28 @@ class RealNode:
             "protectKernelDefaults": False, "kernelMemcgNotification": False,
             "shutdownGracePeriod": "0s", "localStorageCapacityIsolation": True,
         }, indent=1))
-        t_kubelet = time.monotonic()
         self._spawn("kubelet", [
-            str(bins.kubelet), f"--config={kc}", f"--kubeconfig={kcs['kubelet-client']}",
+            str(bins.kubelet), f"--config={kc}", f"--kubeconfig={kubeconfig}",
             f"--root-dir={d / 'kubelet'}", f"--node-ip={HOST_IP}", f"--hostname-override={NODE_NAME}",
             f"--node-labels={REAL_NODE_LABEL}=true", f"--cert-dir={npki}", "--v=1",
             *([f"--register-with-taints={REAL_NODE_TAINT['key']}={REAL_NODE_TAINT['value']}:"
                f"{REAL_NODE_TAINT['effect']}"] if os.environ.get("EMBEDOPS_REAL_NODE_TAINT", "1") != "0" else []),
         ])
-        from kubernetes import client
 
-        self._finish(client.CoreV1Api(api), t_kubelet, timeout)
-
+    def _start_kube_router(self, bins: NodeBinaries, kubeconfig: Path, timeout: float) -> None:
         # kube-router: NetworkPolicy only, started once its Node exists (it exits when it cannot find it). It
         # admits the node's own traffic to its pods (kubelet probes) and rejects (not drops) what a policy refuses,
         # so a refused client hears so at once. Its iptables chains (KUBE-ROUTER-*, KUBE-POD-FW-*, KUBE-NWPLCY-*)
         # and ipsets are removed by down() from the record, not by `--cleanup-config`, which panics in v2.1.0
         # (its service proxy's hairpin cleanup) and leaves them.
         self._spawn("kube-router", [
-            str(bins.kube_router), f"--kubeconfig={kcs['kube-router']}", f"--hostname-override={NODE_NAME}",
+            str(bins.kube_router), f"--kubeconfig={kubeconfig}", f"--hostname-override={NODE_NAME}",
             "--run-firewall=true", "--run-router=false", "--run-service-proxy=false", "--enable-cni=false",
             # no sockets: its health port would listen on every interface (it has no address flag); its first
             # sync's chain tells that it runs
             "--health-port=0", "--metrics-port=0", "--v=1"])
         self._wait("kube-router's first sync", lambda: _run("iptables", "-t", "filter", "-S", "KUBE-ROUTER-FORWARD",
                                                             check=False).returncode == 0, timeout)
-        self.up_seconds = round(time.monotonic() - t0, 1)
 
     def _finish(self, core, t_kubelet: float, timeout: float) -> None:
         """Label the node (NFD names) and wait until it is Ready, untainted, and CoreDNS is ready."""
@@ -835,15 +856,32 @@ def _stop_processes(rec: dict) -> None:
 
 
 def _teardown(rec: dict) -> list[str]:
-    """Remove everything the record lists; tolerant of half-made state. Returns leftovers (empty = clean)."""
-    problems: list[str] = []
-    # 1-2. processes
+    """Remove everything the record lists, in the order each step needs (processes before their mounts, mounts
+    before their cgroups and dirs, rules before their chains and sets); tolerant of half-made state. Returns
+    leftovers (empty = clean)."""
     _stop_processes(rec)
-    # 3. mounts under the node's dirs (netns, shm, rootfs overlays, the kubelet root's shared bind mount).
-    roots = [Path(rec["data"]), Path(rec.get("state", str(STATE)))]
-    left = _umount_all(roots)
-    problems += [f"mount {m}" for m in left]
-    # 4. cgroups (deepest first; a dying process can keep one busy for a moment).
+    # mounts under the node's dirs (netns, shm, rootfs overlays, the kubelet root's shared bind mount)
+    problems = [f"mount {m}" for m in _umount_all([Path(rec["data"]), Path(rec.get("state", str(STATE)))])]
+    for step in (_remove_cgroups, _remove_iptables_rules, _remove_ipsets, _remove_nft_tables):
+        problems += step(rec)
+    _remove_links_and_routes(rec)
+    problems += _restore_sysctls(rec)
+    problems += _remove_dirs(rec)
+    state = Path(rec.get("state", str(STATE)))
+    if not problems:
+        RECORD.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            state.rmdir()
+        if str(STATE.parent) in rec.get("outside_dirs", []):
+            with contextlib.suppress(OSError):
+                LOCK.unlink()
+                STATE.parent.rmdir()
+    return problems
+
+
+def _remove_cgroups(rec: dict) -> list[str]:
+    """The node's cgroups, deepest first (a dying process can keep one busy for a moment)."""
+    problems: list[str] = []
     for c in rec.get("cgroups", []):
         if not os.path.isdir(c):
             continue
@@ -859,7 +897,12 @@ def _teardown(rec: dict) -> list[str]:
                     time.sleep(0.1)
         if os.path.isdir(c):
             problems.append(f"cgroup {c}")
-    # 5. iptables: rules jumping to KUBE-*/EMBEDOPS-* chains that were not there before, then those chains.
+    return problems
+
+
+def _remove_iptables_rules(rec: dict) -> list[str]:
+    """Rules jumping to KUBE-*/EMBEDOPS-* chains that were not there before, then those chains."""
+    problems: list[str] = []
     for cmd in ("iptables", "ip6tables"):
         before_chains = rec.get("iptables", {}).get(cmd, {})
         before_rules = rec.get("iptables", {}).get(cmd + "_rules", {})
@@ -883,18 +926,28 @@ def _teardown(rec: dict) -> list[str]:
                 p = _run(cmd, "-t", table, "-X", c, check=False)
                 if p.returncode != 0:
                     problems.append(f"{cmd} -t {table} chain {c}: {p.stderr.strip()}")
-    # kube-router's ipsets (referenced by the rules just removed), those that were not there before
+    return problems
+
+
+def _remove_ipsets(rec: dict) -> list[str]:
+    """kube-router's ipsets (referenced by the rules just removed), those that were not there before."""
+    problems: list[str] = []
     before_sets = set(rec.get("ipsets_before", []))
     for name in _ipsets():
         if name not in before_sets and _kube_router_set(name):
             p = _run("ipset", "destroy", name, check=False)
             if p.returncode != 0:
                 problems.append(f"ipset {name}: {p.stderr.strip()}")
+    return problems
+
+
+def _remove_nft_tables(rec: dict) -> list[str]:
+    """nftables tables that appeared while the node ran: kube-proxy's own, or empty ones iptables-nft made."""
+    problems: list[str] = []
     before_nft = set(rec.get("nft_tables_before", []))
     for t in _nft_tables():
         if t in before_nft:
             continue
-        # tables that appeared while the node ran: kube-proxy's own, or ones iptables-nft made that are empty
         fam, name = t.split()
         listed = _run("nft", "list", "table", fam, name, check=False).stdout
         body = [ln.strip() for ln in listed.splitlines()]
@@ -903,7 +956,11 @@ def _teardown(rec: dict) -> list[str]:
             p = _run("nft", "delete", "table", fam, name, check=False)
             if p.returncode != 0:
                 problems.append(f"nft table {t}: {p.stderr.strip()}")
-    # 6. interfaces and routes.
+    return problems
+
+
+def _remove_links_and_routes(rec: dict) -> None:
+    """The bridge (and veths still enslaved to it) and the routes the node added."""
     for link in rec.get("links", []):
         if _run("ip", "link", "show", link, check=False).returncode == 0:
             # veths still enslaved (their netns should be gone by now)
@@ -914,7 +971,11 @@ def _teardown(rec: dict) -> list[str]:
             _run("ip", "link", "delete", link, check=False)
     for r in rec.get("routes", []):
         _run("ip", "route", "del", *r, check=False)
-    # 7. sysctls back to their old values.
+
+
+def _restore_sysctls(rec: dict) -> list[str]:
+    """Sysctls back to their recorded values."""
+    problems: list[str] = []
     for k, v in rec.get("sysctls", {}).items():
         if _sysctl_get(k) != v:
             try:
@@ -926,8 +987,13 @@ def _teardown(rec: dict) -> list[str]:
         if k != "net/ipv4/ip_forward" and _sysctl_get(k) != v:
             with contextlib.suppress(OSError):
                 _sysctl_set(k, v)
-    # 8. dirs: the node's data and state, and what was created outside them.
-    # the run dir keeps the node's logs, configs and certificates; its runtime data goes
+    return problems
+
+
+def _remove_dirs(rec: dict) -> list[str]:
+    """The node's runtime data and state, and the dirs it created outside them (its run dir keeps logs,
+    configs and certificates)."""
+    problems: list[str] = []
     for sub in DATA_SUBDIRS:
         dd = Path(rec["data"], sub)
         if dd.exists() and not _mountpoints_under([dd]):
@@ -944,14 +1010,6 @@ def _teardown(rec: dict) -> list[str]:
         for child in state.iterdir() if state.exists() else []:
             if child.name != RECORD.name:
                 shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink()
-    if not problems:
-        RECORD.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            state.rmdir()
-        if str(STATE.parent) in rec.get("outside_dirs", []):
-            with contextlib.suppress(OSError):
-                LOCK.unlink()
-                STATE.parent.rmdir()
     return problems
 
 
