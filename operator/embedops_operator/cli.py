@@ -2,28 +2,19 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 
+from embedops_server.logs import JsonFormatter  # the server's log lines, the same fields
 from pydantic import ValidationError
 
 from . import render, spec, yamlio
 from .settings import OperatorSettings
 
 
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname,
-               "logger": record.name, "message": record.getMessage()}
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out)
-
-
 def _setup_logging(fmt: str, verbose: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if fmt == "json" else
+    handler.setFormatter(JsonFormatter() if fmt == "json" else
                          logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -1,10 +1,13 @@
-"""JSON log lines (--json-output), one object per record."""
+"""JSON log lines, one object per record: the server's --json-output and the operator's --log-format json.
+
+Shared by both programs (the operator image installs this package without the server's dependencies), so it
+uses the standard library only, as sizing.py does (tests/unit/test_shared_modules.py holds both to that).
+"""
 from __future__ import annotations
 
+import json
 import logging
 import time
-
-import orjson
 
 
 class JsonFormatter(logging.Formatter):
@@ -13,4 +16,4 @@ class JsonFormatter(logging.Formatter):
                "level": record.levelname, "target": record.name, "message": record.getMessage()}
         if record.exc_info:
             doc["exception"] = self.formatException(record.exc_info)
-        return orjson.dumps(doc).decode()
+        return json.dumps(doc, ensure_ascii=False, separators=(",", ":"))

@@ -1,8 +1,10 @@
 """Memory a replica needs, from the model's geometry and the serving settings: one formula for the operator
-(default requests/limits, refusals, the estimate in status) and the server (its start-up check).
+(default requests/limits, refusals, the estimate in status) and bench/sizing.py, which measures the real-size
+models beside it.
 
-Pure arithmetic, no imports beyond the standard library: the operator image imports it without numpy or
-ONNX Runtime. The constants are fitted to peaks measured on the real-size models (bench/sizing.py prints the
+It lives in the server's package, next to what it models, and is shared with the operator (whose image installs
+this package without the server's dependencies): pure arithmetic, no imports beyond the standard library
+(tests/unit/test_shared_modules.py holds it to that). The constants are fitted to peaks measured on the real-size models (bench/sizing.py prints the
 measured figures beside these estimates; docs/server.md#memory has the table).
 
 A replica's resident memory is

@@ -331,9 +331,9 @@ def operator_scraped(kube, ns, stack, operator, monitored):
 
 
 def test_every_dashboard_query_returns_data_under_load(kube, real, ns, svc, stack, monitored, operator_scraped):
-    """Each panel of the chart's dashboard (embedops_operator/dashboard.py) as Grafana would send it for this
+    """Each panel of the chart's dashboard (scripts/dashboard.py) as Grafana would send it for this
     service, on the live Prometheus after 30 s of load."""
-    from embedops_operator.dashboard import PANELS
+    from scripts.dashboard import PANELS
 
     texts = [f"passage {i} for the dashboard's panels " * 6 for i in range(8)]
     with _load(kube, real, svc, ns, "load-dashboard", 16, 40, texts):

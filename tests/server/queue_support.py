@@ -13,9 +13,15 @@ def entries(lengths):
     return [Entry(r, i, [1] * n, [0] * n) for i, n in enumerate(lengths)]
 
 
+def next_batch(q):
+    """The batch the engine's loop would form now: (batch, cancelled entries skipped)."""
+    with q.cv:
+        return q.form()
+
+
 def drain(q):
     out = []
     while len(q):
-        b, _ = q.next_batch(timeout=0)
+        b, _ = next_batch(q)
         out.append(b)
     return out

@@ -10,7 +10,7 @@ from embedops_server.backends.base import Backend
 from embedops_server.cli import parse_args
 from embedops_server.core.queue import BatchQueue
 
-from tests.server.queue_support import drain, entries
+from tests.server.queue_support import drain, entries, next_batch
 from embedops_server.service import forward_tokens
 from embedops_server.settings import Settings
 
@@ -34,16 +34,16 @@ def test_forward_cap_splits_one_request_into_length_sorted_micro_batches():
 def test_forward_cap_never_blocks_an_input_longer_than_the_cap():
     q = BatchQueue(max_batch_tokens=16384, max_batch_requests=None, forward_tokens=256)
     q.put_many(entries([512, 10, 10]))
-    b, _ = q.next_batch(timeout=0)
+    b, _ = next_batch(q)
     assert [e.length for e in b] == [512]  # the oldest goes alone, the short ones follow together
-    b, _ = q.next_batch(timeout=0)
+    b, _ = next_batch(q)
     assert [e.length for e in b] == [10, 10]
 
 
 def test_forward_cap_applies_to_top_up():
     q = BatchQueue(max_batch_tokens=16384, max_batch_requests=None, forward_tokens=128)
     q.put_many(entries([32, 32]))
-    batch, _ = q.next_batch(timeout=0)
+    batch, _ = next_batch(q)
     q.put_many(entries([32, 32, 32]))
     with q.cv:
         extra, _ = q.top_up(batch)
@@ -306,11 +306,11 @@ def test_two_inference_threads_lingering_on_one_look_ahead_batch_both_survive(mo
         req = engine_mod.Request(loop, 2, False)
         ids = tokenizers.tokenizer.encode("a look-ahead batch").ids
         entries = [Entry(req, i, ids, [0] * len(ids)) for i in range(2)]
-        with engine._cv:
+        with engine.queue.cv:
             engine._forward_s = 1.0
             engine._tokenizing = 1  # an input "in tokenization": whoever picks the slot up lingers for it
             engine._slot = (entries, engine._build(entries))
-            engine._cv.notify_all()
+            engine.queue.cv.notify_all()
         result = loop.run_until_complete(asyncio.wait_for(req.future, 10))
         assert len(result) == 2 and all(r.shape == (backend.hidden_size,) for r in result)
         assert engine.healthy()  # both inference threads alive

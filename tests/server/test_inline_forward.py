@@ -81,19 +81,19 @@ def test_a_lone_query_is_answered_on_the_loop_with_the_threads_result(engine):
 
 def test_busy_engine_big_request_or_slow_forwards_keep_the_threads(engine):
     with Threads(engine.backend) as seen:
-        with engine._cv:
+        with engine.queue.cv:
             engine._running += 1  # a forward "in progress"
         try:
             async def busy():
                 req = engine.submit(["a query while another forward runs"], True, "right")
                 assert not req.future.done()
-                with engine._cv:  # the pretend forward ends; the threads take the queued query
+                with engine.queue.cv:  # the pretend forward ends; the threads take the queued query
                     engine._running -= 1
-                    engine._cv.notify_all()
+                    engine.queue.cv.notify_all()
                 return await asyncio.wait_for(req.future, 30)
             asyncio.run(busy())
         finally:
-            with engine._cv:
+            with engine.queue.cv:
                 engine._running = 0
         # over inline_tokens (64): 4 texts of 20 tokens, tokenized on the loop
         text = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen"

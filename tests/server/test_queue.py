@@ -5,7 +5,7 @@ import random
 
 from embedops_server.core.queue import BatchQueue
 
-from tests.server.queue_support import drain, entries
+from tests.server.queue_support import drain, entries, next_batch
 
 
 def test_budget_and_cap_respected():
@@ -40,7 +40,7 @@ def test_oldest_entry_is_never_starved():
     q.put_many([old])
     for _ in range(20):  # a stream of short entries keeps arriving
         q.put_many(entries([8] * 40))
-        b, _ = q.next_batch(timeout=0)
+        b, _ = next_batch(q)
         if old in b:
             break
     else:
@@ -53,7 +53,7 @@ def test_cancelled_entries_are_dropped():
     keep, gone = entries([10, 10]), entries([10, 10, 10])
     gone[0].request.cancelled = True
     q.put_many(keep + gone)
-    b, dropped = q.next_batch(timeout=0)
+    b, dropped = next_batch(q)
     assert set(b) == set(keep) and set(dropped) == set(gone)
     assert len(q) == 0
 
@@ -61,7 +61,7 @@ def test_cancelled_entries_are_dropped():
 def test_top_up_adds_later_arrivals_that_fit():
     q = BatchQueue(max_batch_tokens=1024, max_batch_requests=8)
     q.put_many(entries([20, 22]))
-    batch, _ = q.next_batch(timeout=0)
+    batch, _ = next_batch(q)
     assert len(batch) == 2
     later = entries([21, 500, 19, 23, 18, 20, 22, 24, 25])  # 500 would blow the padding: left for later
     q.put_many(later)

@@ -42,13 +42,13 @@ def test_arrivals_during_busy_forwards_with_the_slot_full_wake_nobody_and_join_t
     backend = SlowBackend()
     engine = Engine(backend, minilm_tokenizer_pool, 128, 16384, None, 1024, workers=2)
     notifies = []
-    cv_notify_all = engine._cv.notify_all
+    cv_notify_all = engine.queue.cv.notify_all
 
     def counting_notify_all():
         notifies.append(time.perf_counter())
         cv_notify_all()
 
-    engine._cv.notify_all = counting_notify_all
+    engine.queue.cv.notify_all = counting_notify_all
     texts = [f"question {i} about dynamic batching" for i in range(9)]
 
     async def go():
@@ -62,7 +62,7 @@ def test_arrivals_during_busy_forwards_with_the_slot_full_wake_nobody_and_join_t
             await asyncio.sleep(0.03)
         reqs.append(await send(texts[2]))  # the batcher forms it into the look-ahead slot
         await asyncio.sleep(0.03)
-        with engine._cv:
+        with engine.queue.cv:
             busy = engine._running == 2 and engine._slot is not None
         before = len(notifies)
         late = [await send(t) for t in texts[3:]]  # both forwards still run: nobody can act on these

@@ -55,8 +55,8 @@ def run_load(pool, wide_alone: bool, texts: list[str], spacing_s: float):
         answers = asyncio.run(go())
     finally:
         engine._stop = True
-        with engine._cv:
-            engine._cv.notify_all()
+        with engine.queue.cv:
+            engine.queue.cv.notify_all()
     expected = [float(sum(pool.tokenizer.encode(t).ids)) for t in texts]
     assert answers == expected  # every request got its own row's answer
     return backend.forwards

@@ -76,13 +76,6 @@ class BatchQueue:
             if wake is None or wake():
                 self.cv.notify_all()
 
-    def next_batch(self, timeout: float | None = None) -> tuple[list[Entry], list[Entry]]:
-        """Block until work is queued; return (batch, dropped) where dropped are cancelled entries skipped."""
-        with self.cv:
-            if not self._by_len and not self.cv.wait_for(lambda: self._by_len, timeout):
-                return [], []
-            return self.form()
-
     def form(self) -> tuple[list[Entry], list[Entry]]:
         """Form the next batch now; the caller holds `cv`."""
         dropped = self._purge_cancelled()
