@@ -79,7 +79,7 @@ def _pod_template() -> dict:
 
 def _podman_run_args(pod: dict, models: Path, port: int) -> tuple[list[str], list[str]]:
     """The pod's security context, volumes and env as podman flags, and the server's args on 127.0.0.1:port.
-    Every setting is asserted to be one this mapping knows, so a change in render.py shows up here."""
+    Every setting is asserted to be one this mapping knows, so a change in render/pod.py shows up here."""
     ps = pod["spec"]["securityContext"]
     (c,) = pod["spec"]["containers"]
     sc = c["securityContext"]

@@ -1,0 +1,59 @@
+"""The ingress NetworkPolicy of a service's pods (spec.networkPolicy)."""
+from __future__ import annotations
+
+from ..spec import EmbeddingServiceSpec
+from .activator import ACTIVATOR_ADMIN_PORT, activator_selector
+from .base import (
+    BATCH_PORT, LABEL_COMPONENT, LABEL_SERVICE, NETWORKPOLICY, SERVER_PORT, Options, common_labels, detect_task,
+    has_batch_service, object_meta)
+
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set on every namespace by the API server (1.22+)
+
+
+def _from_namespaces(names) -> dict:
+    return {"namespaceSelector": {"matchExpressions": [
+        {"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": sorted(set(names))}]}}
+
+
+def network_policy(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, options: Options) -> dict:
+    """Ingress to the service's pods (every track's model pods and the activator: the service label) from what
+    calls them, on the port each listens on; egress is left alone (the download step reaches the Hub). Peers:
+    the service's own namespace (or, with allowSameNamespace false, only its activator and the reindex Jobs there),
+    the namespaces the manifest lists, the gateway's namespaces when the service has a route and Prometheus'
+    when it has a ServiceMonitor (both from the chart), and KEDA's on the activator's admin port when it
+    scales to zero. Implementations admit the node's own traffic (kubelet probes) whatever the policy says."""
+    npol = spec.network_policy
+    assert npol is not None
+    peers: list[dict] = []
+    if npol.allow_same_namespace:
+        peers.append({"podSelector": {}})
+    else:
+        peers.append({"podSelector": {"matchLabels": activator_selector(name)}})
+        # reindex Jobs' pods carry the component and the space, not the service (a Job's template cannot change)
+        peers.append({"podSelector": {"matchLabels": {LABEL_COMPONENT: "reindex"}}})
+    names = set(npol.from_namespaces)
+    if spec.gateway:
+        names |= set(options.gateway_namespaces)
+    if spec.monitoring.service_monitor.enabled:
+        names |= set(options.prometheus_namespaces)
+    if npol.allow_same_namespace:
+        names.discard(ns)  # already admitted, every pod of it
+    if names:
+        peers.append(_from_namespaces(names))
+    # the model server and the activator both serve the API on SERVER_PORT (== ACTIVATOR_PORT), and /metrics there
+    ports = [{"protocol": "TCP", "port": SERVER_PORT}]
+    if has_batch_service(spec):  # the batch lane's address (lanes.batchService)
+        ports.append({"protocol": "TCP", "port": BATCH_PORT})
+    rules: list[dict] = [{"from": peers, "ports": ports}]
+    a = spec.autoscaling
+    if a is not None and a.min_replicas == 0 and options.keda_namespaces:
+        rules.append({"from": [_from_namespaces(options.keda_namespaces)],
+                      "ports": [{"protocol": "TCP", "port": ACTIVATOR_ADMIN_PORT}]})
+    return {"apiVersion": NETWORKPOLICY[0], "kind": NETWORKPOLICY[1],
+            "metadata": object_meta(name, ns, common_labels(name, detect_task(spec.model)), owner),
+
+
+            "spec": {"podSelector": {"matchLabels": {LABEL_SERVICE: name}}, "policyTypes": ["Ingress"],
+                     "ingress": rules}}
+
+
