@@ -2,7 +2,9 @@
 per-shape torch threads, ONNX Runtime without a memory arena."""
 from __future__ import annotations
 
+import os
 import random
+import shutil
 
 import pytest
 
@@ -319,11 +321,12 @@ def test_two_inference_threads_lingering_on_one_look_ahead_batch_both_survive(mo
         engine.close()
 
 
-@pytest.mark.parametrize("folder", ["onnx", "export"])
+@pytest.mark.parametrize("folder", ["onnx", "onnx-hardlinked", "export"])
 def test_small_forwards_run_the_fused_graph_with_the_same_outputs(folder, monkeypatch, tmp_path):
     """The spinning small-forward session runs ONNX Runtime's offline BERT fusions (Attention,
     SkipLayerNormalization, ...); it is only used after it matched the plain graph, and gives the same
-    embeddings; EMBEDOPS_ORT_FUSE=0 keeps the plain graph."""
+    embeddings; EMBEDOPS_ORT_FUSE=0 keeps the plain graph. A model folder whose external data file is hard-linked
+    (how uv and `cp -al` install it; onnx's loader refuses such a file) is fused all the same."""
     import numpy as np
     import onnx
     import tokenizers
@@ -333,7 +336,12 @@ def test_small_forwards_run_the_fused_graph_with_the_same_outputs(folder, monkey
     from embedops_server.core.model_info import load_model_info
     from localcluster.models import minilm_dir, minilm_onnx_dir
 
-    root = minilm_onnx_dir() if folder == "onnx" else minilm_dir()
+    root = minilm_onnx_dir() if folder.startswith("onnx") else minilm_dir()
+    if folder == "onnx-hardlinked":
+        linked = tmp_path / "model"
+        shutil.copytree(root, linked, copy_function=os.link)
+        root, tmp_path = linked, tmp_path / "cache"
+        assert any(f.stat().st_nlink > 1 for f in linked.rglob("*.onnx_data"))
     info = load_model_info(str(root), "mean", "main")
     tok = tokenizers.Tokenizer.from_file(str(root / "tokenizer.json"))
     tok.no_padding()

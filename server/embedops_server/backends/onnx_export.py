@@ -374,13 +374,19 @@ def fuse_for_latency(src: Path, info: ModelInfo, out_dir: Path) -> Path | None:
     empty = out_dir / f"{src.stem}.fused.none"  # a previous start found nothing to fuse
     if empty.exists():
         return None
+    import onnx
     from onnxruntime.transformers.optimizer import optimize_model
 
+    # read as read_external_data reads model files (a folder whose data file is hard-linked, as pip's or uv's
+    # caches install them, or a symbolic link, as the Hub's cache, is refused by onnx's own loader); small
+    # models only (the latency session's), so the weights fit in memory
+    graph = onnx.load(str(src), load_external_data=False)
+    read_external_data(graph, src.parent)
     opt_logger = logging.getLogger("onnxruntime.transformers")
     level = opt_logger.level
     opt_logger.setLevel(logging.ERROR)  # its per-fusion INFO/WARNING lines are not the operator's business
     try:
-        model = optimize_model(str(src), model_type="bert", num_heads=heads, hidden_size=hidden, opt_level=0)
+        model = optimize_model(graph, model_type="bert", num_heads=heads, hidden_size=hidden, opt_level=0)
     finally:
         opt_logger.setLevel(level)
     if not any(n.op_type in ATTENTION_OPS for n in model.model.graph.node):
