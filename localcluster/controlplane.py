@@ -224,7 +224,7 @@ class Cluster:
         if st.get("real_node"):
             from localcluster import node as realnode
 
-            rec = realnode.RealNode._load()
+            rec = realnode.RealNode.record()
             return bool(rec) and rec.get("owner") == str(self._node().run_dir) and all(
                 realnode.process_alive(p) for p in rec.get("procs", []))
         return True
@@ -486,7 +486,7 @@ class Cluster:
         st = self.read_state()
         from localcluster import node as realnode
 
-        rec = realnode.RealNode._load()
+        rec = realnode.RealNode.record()
         owns_node = bool(rec) and rec.get("owner") == str(self._node().run_dir)
         if owns_node:
             self._node().stop()  # its processes and pods; the network after the control plane
@@ -614,7 +614,7 @@ def release_node() -> int:
     node's record still lists."""
     from localcluster import node
 
-    rec = node.RealNode._load()
+    rec = node.RealNode.record()
     if rec:
         Cluster(run_dir=Path(rec["owner"]), real_node=None).down()
     problems = node.remove_leftovers()

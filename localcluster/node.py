@@ -418,7 +418,7 @@ class RealNode:
 
     # --- record ----------------------------------------------------------------------------------
     @staticmethod
-    def _load() -> dict | None:
+    def record() -> dict | None:
         try:
             return json.loads(RECORD.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
@@ -432,7 +432,7 @@ class RealNode:
 
     @staticmethod
     def owner() -> str | None:
-        rec = RealNode._load()
+        rec = RealNode.record()
         return rec.get("owner") if rec else None
 
     @staticmethod
@@ -460,7 +460,7 @@ class RealNode:
         if reason:
             raise RealNodeUnavailable(reason)
         with _locked():
-            rec = self._load()
+            rec = self.record()
             if rec and rec.get("owner") != str(self.run_dir) and self._owner_alive(rec):
                 raise RealNodeInUse(f"the real node {NODE_NAME} is in use by {rec['owner']} "
                                     f"(record {RECORD}); stop that cluster first")
@@ -545,13 +545,13 @@ class RealNode:
             time.sleep(0.01)
         entry = {"name": name, "pid": p.pid, "argv0": argv[0], "start": _proc_start(p.pid)}
         with _locked():
-            rec = self._load() or {}
+            rec = self.record() or {}
             rec.setdefault("procs", []).append(entry)
             self._save(rec)
         return entry
 
     def _check_alive(self, what: str) -> None:
-        rec = self._load() or {}
+        rec = self.record() or {}
         dead = [p["name"] for p in rec.get("procs", []) if not process_alive(p)]
         if dead:
             raise RuntimeError(f"{', '.join(dead)} exited while waiting for {what}; see {self.logs}")
@@ -770,14 +770,14 @@ class RealNode:
         """Stop the node's processes and pods only (the cluster stops its control plane next, while the bridge
         address still exists, then calls down())."""
         with _locked():
-            rec = self._load()
+            rec = self.record()
             if rec and rec.get("owner") == str(self.run_dir):
                 _stop_processes(rec)
 
     def down(self) -> list[str]:
         """Remove what the record holds (only if this run dir owns it). Returns what could not be removed."""
         with _locked():
-            rec = self._load()
+            rec = self.record()
             if not rec or rec.get("owner") != str(self.run_dir):
                 return []
             return _teardown(rec)
@@ -1172,7 +1172,7 @@ COREFILE = """\
 
 def status() -> str:
     """Who holds the machine's real node: 'free' or 'held by <run dir> (alive|stale)'."""
-    rec = RealNode._load()
+    rec = RealNode.record()
     if not rec:
         return "free"
     return f"held by {rec['owner']} ({'alive' if RealNode._owner_alive(rec) else 'stale'})"
@@ -1181,7 +1181,7 @@ def status() -> str:
 def remove_leftovers() -> list[str]:
     """Remove what the node's record lists (processes, mounts, network, cgroups), whoever owned it; returns
     what could not be removed. For a record no live cluster owns any more."""
-    left = RealNode._load()
+    left = RealNode.record()
     if not left:
         return []
     with _locked():

@@ -364,7 +364,7 @@ def test_z_down_leaves_nothing_then_back(kube, real):
     from localcluster import controlplane, node
 
     cluster = controlplane.Cluster(run_dir=controlplane.default_run_dir() / "pytest", real_node=True)
-    rec = node.RealNode._load()
+    rec = node.RealNode.record()
     assert rec and rec["owner"] == str(cluster._node().run_dir)
     assert "kube-router" in [p["name"] for p in rec["procs"]]
     assert node._run("iptables", "-S", "KUBE-ROUTER-FORWARD", check=False).returncode == 0  # its chains, to remove
