@@ -405,7 +405,7 @@ def test_bge_m3_at_real_size_prepared_once_and_served_under_the_operators_defaul
     """The seed's CPU ingestion service (examples/bge-m3-cpu-ingestion.yaml): 568M parameters, int8, as real pods
     with the memory the operator renders by default. The first pod's prepare step quantizes the folder's
     onnx/model.onnx (external data, on the read-only model PVC) into the cache claim; a second replica finds
-    it prepared and loads only the int8 graph. Prints the figures the sizing section of the README quotes."""
+    it prepared and loads only the int8 graph. Prints the figures the README's results table quotes."""
     real_size_models(Path(real.models_hostpath))
     doc = yaml.safe_load((REPO / "examples" / "bge-m3-cpu-ingestion.yaml").read_text())
     doc = on_real_node(doc, real)
