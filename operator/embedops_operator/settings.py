@@ -56,4 +56,4 @@ class OperatorSettings(BaseSettings):
 
     @classmethod
     def env_name(cls, field: str) -> str:
-        return f"EMBEDOPS_{field.upper()}"
+        return (cls.model_config["env_prefix"] + field).upper()

@@ -24,7 +24,6 @@ from pydantic_settings.sources.utils import parse_env_vars
 # The environment a settings model reads: os.environ, unless `from_environment` names another mapping (tests,
 # and the operator's check that every flag it renders parses).
 _ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("embedops_settings_environ", default=None)
-NONE_WORDS = ("", "none")
 
 
 class ProcessEnvironment(EnvSettingsSource):
@@ -83,11 +82,6 @@ class EnvironmentSettings(BaseSettings):
     def env_name(cls, field: str) -> str:
         """The environment variable of a field: its name in upper snake case, after the model's prefix."""
         return (cls.model_config.get("env_prefix", "") + field).upper()
-
-
-def _none_word(value: Any) -> Any:
-    """`none` (or an empty value) on the command line means the default None, as TEI's optional flags do."""
-    return None if isinstance(value, str) and value.strip().lower() in NONE_WORDS else value
 
 
 class Settings(EnvironmentSettings):
@@ -177,7 +171,8 @@ class Settings(EnvironmentSettings):
                      "num_threads", "dtype", "quantize", mode="before")
     @classmethod
     def none_means_default(cls, value: Any) -> Any:
-        return _none_word(value)
+        """`none` (or an empty value) on the command line means the default None, as TEI's optional flags do."""
+        return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
 
     @field_validator("default_lane", mode="before")
     @classmethod
