@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 HOSTPY ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: setup host-packages cluster-binaries demo-binaries test test-fast demo demo-down e2e-kind bench lint images
+.PHONY: setup host-packages cluster-binaries test-start-binaries demo-binaries test test-fast demo demo-down e2e-kind bench lint images
 
 setup:
 	./scripts/setup.sh
@@ -31,8 +31,13 @@ demo-binaries:
 # packages overlap the Go builds instead of preceding them. pytest then runs in two lanes side by side
 # (scripts/test-lanes.sh): the cluster's tests, and the ones that need no cluster; PYTEST_ARGS go to both.
 test:
-	$(MAKE) --no-print-directory -j3 setup host-packages cluster-binaries
+	$(MAKE) --no-print-directory -j3 setup host-packages test-start-binaries
 	PY=$(PY) ./scripts/test-lanes.sh $(PYTEST_ARGS)
+
+# What the tests need from their start (localcluster/components.py TESTS_START); test-lanes.sh builds the rest of
+# the tests' set beside them.
+test-start-binaries:
+	$(HOSTPY) -m localcluster.build tests-start
 
 # The developer's fast loop: the operator's unit tests and the server's quick ones (no cluster, no `slow` module:
 # tests/conftest.py SLOW_MODULES), about 2 minutes on 2 cores. `make test` runs everything.

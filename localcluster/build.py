@@ -36,11 +36,11 @@ from .components import (COMPONENTS, KUBERNETES_VERSION, RECIPES, SETS, Componen
 
 PREFIX = "cluster-binaries:"
 
-# Seconds each component took in a cold `.ci/run` (docs/cluster.md), only to start the longest builds first:
-# with two at a time, a long one started last would run alone at the end.
-COLD_SECONDS = {"keda-controllers": 536, "traefik": 480, "k8s": 340, "prometheus": 333, "source-controller": 236,
-                "kustomize-controller": 164, "prometheus-adapter": 150, "prometheus-operator": 115, "kwok": 100, "coredns": 93, "etcd": 32,
-                "kstatus": 15}
+# Seconds each component took in a cold `.ci/run` on a new machine, two at a time (2026-12-06, docs/cluster.md), only
+# to start the longest builds first: with two at a time, a long one started last would run alone at the end.
+COLD_SECONDS = {"keda-controllers": 998, "traefik": 760, "k8s": 588, "source-controller": 465,
+                "kustomize-controller": 418, "prometheus": 340, "prometheus-operator": 262, "prometheus-adapter": 248,
+                "kwok": 192, "coredns": 133, "kube-router": 114, "etcd": 36, "kstatus": 28, "actionlint": 6}
 
 
 class StepFailed(Exception):
@@ -188,6 +188,8 @@ class Builder:
             d.mkdir(parents=True, exist_ok=True)
         jobs = jobs or int(os.environ.get("EMBEDOPS_BUILD_JOBS", "2"))
         todo = sorted((c for c in components if not c.built()), key=lambda c: -COLD_SECONDS.get(c.name, 0))
+        if not todo:  # nothing to wait for: not even the lock another build may hold for other components
+            return
         t = time.monotonic()
         with open(self.cache / ".build.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)

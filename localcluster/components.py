@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,12 @@ KUBERNETES_VERSION = "v1.34.4"  # the k8s.io staging modules in recipes/k8s/go.m
 
 def cache_dir() -> Path:
     return Path(os.environ.get("EMBEDOPS_CACHE", Path.home() / ".cache" / "embedops"))
+
+
+# `make test` builds what its tests need from their start (the set `tests-start`) before they start, and the rest
+# beside them (scripts/test-lanes.sh): it names here a file that build writes when it ends, and ``provided()``
+# waits for a component that build is still making.
+BACKGROUND_BUILD = "EMBEDOPS_BACKGROUND_BUILD"
 
 
 # --- recipes: how a component is built --------------------------------------------------------------
@@ -312,10 +320,15 @@ DEMO = (*CONTROL_PLANE, "coredns", "kube-router", *CRDS)
 # `make e2e-kind` (localcluster/kindnode.py): not in the tests' set, the kind run is a lane of its own
 KIND = ("k8s", "etcd", "kube-router", "kind-tools", "coredns-kind", "kind", "helm", *CRDS)
 TESTS = tuple(c.name for c in COMPONENTS if c.name not in ("kind-tools", "coredns-kind", "kind"))
+# What the tests need from their start (the control planes, the real node, the chart's helm, the CRDs): `make test`
+# builds it first and the rest of TESTS (monitoring, gateway, Flux, promtool, actionlint) beside the tests, whose
+# lanes run the modules that need those late (tests/conftest.py). On a new machine the tests' first 15-20 minutes
+# then overlap ~25 minutes of Go builds instead of following them.
+TESTS_START = (*DEMO, "helm", "kstatus")
 MONITORING = ("prometheus-operator", "prometheus", "prometheus-operator-crds", "keda-controllers", "prometheus-adapter")
 GATEWAY = ("traefik", "gateway-api")
-SETS = {"demo": DEMO, "tests": TESTS, "control-plane": CONTROL_PLANE, "crds": CRDS, "monitoring": MONITORING,
-        "gateway": GATEWAY, "kind": KIND}
+SETS = {"demo": DEMO, "tests": TESTS, "tests-start": TESTS_START, "control-plane": CONTROL_PLANE, "crds": CRDS,
+        "monitoring": MONITORING, "gateway": GATEWAY, "kind": KIND}
 
 # The upstream CRDs by the short name the tests and the demo install them under
 # (component, its files; empty: all of them). "monitoring" is what Prometheus Operator itself needs to run.
@@ -336,9 +349,30 @@ def component(name: str) -> Component:
         raise KeyError(f"unknown component {name!r}; known: {', '.join(BY_NAME)}") from None
 
 
-def provided(name: str, file: str | None = None) -> Path:
-    """Where component ``name`` keeps ``file`` (default: its first, the binary)."""
-    return component(name).path(file)
+def provided(name: str, file: str | None = None, wait: bool = True) -> Path:
+    """Where component ``name`` keeps ``file`` (default: its first, the binary); with ``wait``, once the
+    background build of `make test` has made it or ended (await_background_build)."""
+    c = component(name)
+    if wait:
+        await_background_build(c)
+    return c.path(file)
+
+
+def await_background_build(c: Component, poll: float = 2.0) -> bool:
+    """Wait while the build `make test` runs beside its tests ($EMBEDOPS_BACKGROUND_BUILD) has not made ``c``
+    and has not ended; True when ``c`` is built. Without that build, or once it has ended, it returns at once:
+    a component that is still missing is then the caller's to report (its skip, or CI's failure)."""
+    status = os.environ.get(BACKGROUND_BUILD)
+    if c.built() or not status:
+        return c.built()
+    t = time.monotonic()
+    print(f"{c.name}: waiting for the build beside the tests (log {Path(status).with_suffix('.log')})",
+          file=sys.stderr, flush=True)
+    while not c.built() and not os.path.exists(status):
+        time.sleep(poll)
+    print(f"{c.name}: {'built' if c.built() else 'not built by the background build'} after "
+          f"{time.monotonic() - t:.0f} s of waiting", file=sys.stderr, flush=True)
+    return c.built()
 
 
 def crd_files() -> dict[str, list[Path]]:

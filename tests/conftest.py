@@ -52,6 +52,11 @@ SIDE_E2E_FILES = tuple(f"tests/e2e/{m}.py" for m in (
 
 # the local lane's control plane starts once its CPU-bound tests are done
 LAST_DIRS = ("tests/integration/", *SIDE_E2E_FILES)
+# The modules that need the components `make test` builds beside the tests (scripts/test-lanes.sh): Traefik;
+# Prometheus, its operator, KEDA, prometheus-adapter; promtool; actionlint; Flux's controllers. Last in their lane,
+# so that on a new machine the other tests run while those build.
+LATE_FILES = ("tests/e2e/test_gateway_and_litellm.py", "tests/e2e/test_monitoring.py", "tests/unit/test_alerts.py",
+              "tests/unit/test_workflows.py", "tests/e2e/test_flux.py")
 # The developer's fast loop (`make test-fast`: tests/unit, tests/server, tests/bench without `slow`) leaves out these
 # server modules, the ones of 10 s or more (measured 2026-12-05: slow clients 81 s, contract 36, load 36, the CPU cost
 # model 22, activator 21, architectures 17, prepared cache 16, lanes 16, bge-m3 14, space 12); `make test` runs them.
@@ -68,7 +73,10 @@ def pytest_collection_modifyitems(config, items):
         if rel in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
     # a stable sort: each module's tests stay together and in order
-    items.sort(key=lambda item: item.path.relative_to(REPO).as_posix().startswith(LAST_DIRS))
+    def rank(item) -> int:
+        rel = item.path.relative_to(REPO).as_posix()
+        return 2 if rel in LATE_FILES else 1 if rel.startswith(LAST_DIRS) else 0
+    items.sort(key=rank)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -13,6 +13,8 @@ import re
 import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -48,14 +50,16 @@ def test_version_check_passes_200_times_on_a_binary_that_keeps_writing(tmp_path)
         assert check_version("coredns", "v1.15.0", [str(exe), "-version"]) == "CoreDNS-1.15.0"
 
 
-def test_version_check_passes_200_times_on_the_built_binaries():
+def test_version_check_passes_20_times_on_the_built_binaries():
     """Every built component of the tests' set that states a version check, as the build runs it (the demo and CI
-    build them; the kind set's, built by `make e2e-kind` only, are checked by that build)."""
+    build them; the kind set's, built by `make e2e-kind` only, are checked by that build). The race itself (a
+    writer still writing when the reader has its line) is made certain by the chatty binary above, 200 times;
+    here each real binary 20 times (200 took 44-50 s of a core in every `make test`)."""
     checked = []
     for c in components.COMPONENTS:
         if c.version_check and c.built() and c.name in components.TESTS:
             argv = [str(c.path()), *c.version_check]
-            for _ in range(200):
+            for _ in range(20):
                 check_version(c.name, c.version, argv)
             checked.append(c.name)
     if not checked:
@@ -145,6 +149,10 @@ def test_the_sets_name_known_components_and_the_demo_builds_less():
     assert demo < tests
     assert {"source-controller", "kustomize-controller", "kstatus", "helm", "prometheus", "prometheus-operator"}.isdisjoint(
         demo)  # monitoring's controllers are built for the tests, or for a demo that asks for them
+    # what the tests need from their start (`make test` builds the rest beside them): the cluster, not the stacks
+    start = set(components.TESTS_START)
+    assert demo < start < tests and {"helm"} <= start
+    assert start.isdisjoint({"keda-controllers", "traefik", "prometheus", "source-controller", "actionlint"})
     files = components.crd_files()
     assert set(files) == {"servicemonitor", "prometheusrule", "monitoring", "httproute", "scaledobject", "keda"}
     assert set(files["servicemonitor"]) < set(files["monitoring"]) and len(files["monitoring"]) == 10
@@ -162,3 +170,35 @@ def test_each_wrapper_module_pins_the_components_version(c):
         module = max((m for m in required if package == m or package.startswith(m + "/")), key=len, default=None)
         assert module, f"{r.folder}/go.mod requires no module of {package}"
         assert required[module] == c.version, (c.name, module, required[module], c.version)
+
+
+def test_a_test_waits_for_a_component_the_build_beside_the_tests_is_making(tmp_path, monkeypatch):
+    """`make test` builds the components its tests need late beside them (scripts/test-lanes.sh): a test asking
+    for one waits while that build is making it, and once that build has ended without it, it is told at once
+    (its skip, or CI's failure, says so) instead of waiting for ever."""
+    monkeypatch.setenv("EMBEDOPS_CACHE", str(tmp_path / "cache"))
+    status = tmp_path / "build.status"
+    monkeypatch.setenv(components.BACKGROUND_BUILD, str(status))
+    kstatus, actionlint = components.component("kstatus"), components.component("actionlint")
+
+    def build_kstatus():
+        time.sleep(0.5)
+        kstatus.dir.mkdir(parents=True)
+        for f in (*kstatus.provides, *kstatus.aliases):
+            (kstatus.dir / f).write_text("")
+
+    builder = threading.Thread(target=build_kstatus)
+    t = time.monotonic()
+    builder.start()
+    assert components.await_background_build(kstatus, poll=0.05) is True
+    assert time.monotonic() - t >= 0.5
+    builder.join()
+    assert components.provided("kstatus") == kstatus.path()
+
+    status.write_text("2\n")  # the build ended (failed) without actionlint
+    t = time.monotonic()
+    assert components.await_background_build(actionlint, poll=0.05) is False
+    assert time.monotonic() - t < 1
+    monkeypatch.delenv(components.BACKGROUND_BUILD)  # no build beside the tests: nothing to wait for
+    status.unlink()
+    assert components.await_background_build(actionlint, poll=0.05) is False

@@ -12,9 +12,17 @@ import yaml
 from localcluster.components import provided
 from tests.unit.test_operator_chart import helm_binary, needs_helm, template
 
-PROMTOOL = provided("prometheus", "promtool")
-needs_promtool = pytest.mark.skipif(not PROMTOOL.exists(), reason=f"promtool not built ({PROMTOOL}); "
-                                    "`python -m localcluster.build prometheus`")
+
+
+@pytest.fixture
+def promtool() -> str:
+    """promtool's path; under `make test` once its build beside the tests has made it (not at collection: the
+    other tests of this lane run meanwhile)."""
+    path = provided("prometheus", "promtool")
+    if not path.exists():
+        pytest.skip(f"promtool not built ({path}); `python -m localcluster.build prometheus`")
+    return str(path)
+
 RUNBOOKS = "https://github.com/example/embedops/blob/main/docs/runbooks.md"
 
 
@@ -139,28 +147,26 @@ CASES = {
 
 
 @needs_helm
-@needs_promtool
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.replace(" ", "-"))
-def test_alert_fires_in_its_situation_and_not_before(case, tmp_path):
+def test_alert_fires_in_its_situation_and_not_before(case, tmp_path, promtool):
     inputs, tests = CASES[case]
-    promtool_test(tmp_path, rules(annotations=False), inputs, tests)
+    promtool_test(promtool, tmp_path, rules(annotations=False), inputs, tests)
 
 
-def promtool_test(tmp_path, rule_groups: dict, inputs: list, tests: list) -> None:
+def promtool_test(promtool: str, tmp_path, rule_groups: dict, inputs: list, tests: list) -> None:
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rule_groups))
     (tmp_path / "test.yaml").write_text(yaml.safe_dump({
         "rule_files": ["rules.yaml"], "evaluation_interval": "1m",
         "tests": [{"interval": "1m", "input_series": inputs, "alert_rule_test": tests}]}))
-    r = subprocess.run([str(PROMTOOL), "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True,
+    r = subprocess.run([promtool, "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 @needs_helm
-@needs_promtool
-def test_a_firing_alert_says_what_and_where_with_its_runbook(tmp_path):
+def test_a_firing_alert_says_what_and_where_with_its_runbook(tmp_path, promtool):
     inputs, _ = CASES["5xx"]
-    promtool_test(tmp_path, rules(), inputs, [alert("EmbeddingServiceErrors", "25m", [{
+    promtool_test(promtool, tmp_path, rules(), inputs, [alert("EmbeddingServiceErrors", "25m", [{
         "exp_labels": {"severity": "critical", **SVC},
         "exp_annotations": {
             "summary": "An EmbeddingService answers 5xx",
@@ -169,12 +175,11 @@ def test_a_firing_alert_says_what_and_where_with_its_runbook(tmp_path):
 
 
 @needs_helm
-@needs_promtool
-def test_rules_are_valid_and_each_has_a_runbook_section(tmp_path):
+def test_rules_are_valid_and_each_has_a_runbook_section(tmp_path, promtool):
     from tests.unit.operator_helpers import REPO
 
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules()))
-    r = subprocess.run([str(PROMTOOL), "check", "rules", "rules.yaml"], cwd=tmp_path, capture_output=True,
+    r = subprocess.run([promtool, "check", "rules", "rules.yaml"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     runbooks = (REPO / "docs" / "runbooks.md").read_text()
