@@ -322,8 +322,8 @@ KIND = ("k8s", "etcd", "kube-router", "kind-tools", "coredns-kind", "kind", "hel
 TESTS = tuple(c.name for c in COMPONENTS if c.name not in ("kind-tools", "coredns-kind", "kind"))
 # What the tests need from their start (the control planes, the real node, the chart's helm, the CRDs): `make test`
 # builds it first and the rest of TESTS (monitoring, gateway, Flux, promtool, actionlint) beside the tests, whose
-# lanes run the modules that need those late (tests/conftest.py). On a new machine the tests' first 15-20 minutes
-# then overlap ~25 minutes of Go builds instead of following them.
+# lanes run the modules that need those late (tests/conftest.py). On 2 cores that fills the lanes' waits with
+# builds (a cold run 63 min against 70, docs/cluster.md "CI runs"); on more cores it overlaps far more.
 TESTS_START = (*DEMO, "helm", "kstatus")
 MONITORING = ("prometheus-operator", "prometheus", "prometheus-operator-crds", "keda-controllers", "prometheus-adapter")
 GATEWAY = ("traefik", "gateway-api")
@@ -349,12 +349,11 @@ def component(name: str) -> Component:
         raise KeyError(f"unknown component {name!r}; known: {', '.join(BY_NAME)}") from None
 
 
-def provided(name: str, file: str | None = None, wait: bool = True) -> Path:
-    """Where component ``name`` keeps ``file`` (default: its first, the binary); with ``wait``, once the
-    background build of `make test` has made it or ended (await_background_build)."""
+def provided(name: str, file: str | None = None) -> Path:
+    """Where component ``name`` keeps ``file`` (default: its first, the binary), once the build `make test` runs
+    beside its tests has made it or ended (await_background_build)."""
     c = component(name)
-    if wait:
-        await_background_build(c)
+    await_background_build(c)
     return c.path(file)
 
 

@@ -126,7 +126,6 @@ def up(kube, timeout: float = 300) -> Gateway:
     if not kube.real_node:
         raise RuntimeError(f"the gateway needs the real node to run Traefik: {kube.real_node_reason}")
     t = time.monotonic()
-    provided("traefik")  # waits while `make test` builds it beside the tests; then the line below is a no-op
     Builder().build_all(expand(["gateway"]))
     image = images.build_binary_image("traefik", [provided("traefik")])
     kube.import_images([image])

@@ -18,12 +18,14 @@ local_log="$logs/local.log"
 
 # The cluster components the tests need late (monitoring, gateway, Flux, promtool, actionlint; everything of
 # `localcluster.build tests` not in `tests-start`, which `make test` built first) build beside the lanes, at the
-# lowest CPU priority: on a new machine that is ~25 minutes of Go builds in the lanes' idle time instead of before
-# them; a test that needs one waits for it (localcluster/components.py, provided). Warm, it finds all built at once.
+# lowest CPU priority, filling the lanes' waits (a cold run on 2 cores 63 min against 70 with every build first,
+# docs/cluster.md); a test that needs one waits for it (localcluster/components.py, provided). Warm, it finds all
+# built at once. The build itself must not wait for its own end: its variable is emptied.
 build_log="$logs/build.log"
 build_status="$logs/build.status"
 rm -f "$build_status"
-(nice -n 19 "$PY" -m localcluster.build tests >"$build_log" 2>&1; echo $? >"$build_status") &
+(EMBEDOPS_BACKGROUND_BUILD= nice -n 19 "$PY" -m localcluster.build tests >"$build_log" 2>&1
+ echo $? >"$build_status") &
 build_pid=$!
 export EMBEDOPS_BACKGROUND_BUILD="$PWD/$build_status"
 
