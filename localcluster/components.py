@@ -54,6 +54,10 @@ class GoPackages:
     folder: str
     binaries: tuple[tuple[str, str], ...]  # (package, binary)
     version_var: str = ""  # a `-X` variable set to the component's version (prometheus/common's version.Version)
+    # a script in recipes/<folder> run on a writable copy of ``patched_module`` (at the component's version),
+    # which the build then uses in its place: what it changes is that script, part of the component's key
+    patch: str = ""
+    patched_module: str = ""
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,8 @@ class Component:
             return hashlib.sha256(",".join(tags).encode()).hexdigest()[:8] if tags else ""
         d = RECIPES / folders[0]
         main = d / "main.go" if (d / "main.go").exists() else d / "tools.go"
-        return hashlib.sha256(main.read_bytes() + (d / "go.mod").read_bytes()).hexdigest()[:8]
+        patches = [d / r.patch for r in self.recipes if isinstance(r, GoPackages) and r.patch]
+        return hashlib.sha256(b"".join(f.read_bytes() for f in (main, d / "go.mod", *patches))).hexdigest()[:8]
 
     @property
     def dir(self) -> Path:
@@ -235,13 +240,15 @@ COMPONENTS: tuple[Component, ...] = (
         about=f"Prometheus {PROMETHEUS_VERSION} (no web UI assets: its HTTP API only; Kubernetes service "
               "discovery only) and promtool"),
     # KEDA's operator and metrics API server (its external-metrics adapter), run as pods on the real node by
-    # localcluster/monitoring.py; the admission webhooks are left out (optional in KEDA's own install)
+    # localcluster/monitoring.py; the admission webhooks are left out (optional in KEDA's own install). Built
+    # with the scalers the operator writes and KEDA's generic ones only (recipes/keda/trim.py says why)
     Component(
         "keda-controllers", KEDA_VERSION,
         (GoPackages("keda", (
             ("github.com/kedacore/keda/v2/cmd/operator", "keda-operator"),
             ("github.com/kedacore/keda/v2/cmd/adapter", "keda-adapter")),
-            version_var="github.com/kedacore/keda/v2/version.Version"),
+            version_var="github.com/kedacore/keda/v2/version.Version",
+            patch="trim.py", patched_module="github.com/kedacore/keda/v2"),
          ModuleFiles("github.com/kedacore/keda/v2", tuple(f"config/crd/bases/{f}" for f in KEDA_CRDS), into="crds"),
          # KEDA's own install manifests (what its kustomize "minimal" config assembles), images replaced
          *(ModuleFiles("github.com/kedacore/keda/v2", tuple(m for m in KEDA_MANIFESTS if m.split("/")[1] == d),
@@ -261,7 +268,9 @@ COMPONENTS: tuple[Component, ...] = (
     Component(
         "traefik", TRAEFIK_VERSION,
         (GoPackages("traefik", (("github.com/traefik/traefik/v3/cmd/traefik", "traefik"),),
-                    version_var="github.com/traefik/traefik/v3/pkg/version.Version"),),
+                    version_var="github.com/traefik/traefik/v3/pkg/version.Version",
+                    # without lego's ~190 DNS providers: recipes/traefik/trim.py says why
+                    patch="trim.py", patched_module="github.com/traefik/traefik/v3"),),
         ("traefik",), version_check=("version",),
         about="Traefik v3 with its Kubernetes Gateway API provider: routes the operator's HTTPRoutes"),
     # NetworkPolicy on the real node (issue 35): kube-router's policy controller alone (no routing, no service

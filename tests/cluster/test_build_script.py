@@ -202,3 +202,34 @@ def test_a_test_waits_for_a_component_the_build_beside_the_tests_is_making(tmp_p
     monkeypatch.delenv(components.BACKGROUND_BUILD)  # no build beside the tests: nothing to wait for
     status.unlink()
     assert components.await_background_build(actionlint, poll=0.05) is False
+
+
+def test_the_keda_trim_keeps_the_triggers_the_operator_writes_and_refuses_an_unknown_layout(tmp_path):
+    """recipes/keda/trim.py (KEDA built with fewer scalers): on a module laid out as KEDA's, it drops the other
+    scalers' files and their cases of the builder's switch, and keeps `default` (KEDA's own error for a type it
+    does not know); on any other layout it stops with a message instead of building something else."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("keda_trim", components.RECIPES / "keda" / "trim.py")
+    trim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trim)
+    scalers, scaling = tmp_path / "pkg" / "scalers", tmp_path / "pkg" / "scaling"
+    scalers.mkdir(parents=True)
+    scaling.mkdir(parents=True)
+    names = [*trim.KEEP, *(f"cloud{i}" for i in range(45))]
+    cases = []
+    for n in names:
+        func = "New" + "".join(p.title() for p in n.split("_")) + "Scaler"
+        (scalers / f"{n}_scaler.go").write_text(f"package scalers\n\nfunc {func}(config int) (Scaler, error) {{}}\n")
+        cases.append(f'\tcase "{n.replace("_", "-")}":\n\t\treturn scalers.{func}(config)\n')
+    (scaling / "scalers_builder.go").write_text(
+        "package scaling\n\nfunc buildScaler() {\n\t// TRIGGERS-START\n\tswitch triggerType {\n" + "".join(cases)
+        + '\tdefault:\n\t\treturn nil, fmt.Errorf("no scaler found for type: %s", triggerType)\n\t}\n'
+        "\t// TRIGGERS-END\n}\n")
+    kept = trim.trim(tmp_path)
+    assert kept == [f'case "{n.replace("_", "-")}"' for n in trim.KEEP] + ["default"]
+    assert {"prometheus", "metrics_api"} <= set(trim.KEEP)  # the triggers render/autoscaling.py writes
+    assert sorted(f.name for f in scalers.glob("*_scaler.go")) == sorted(f"{n}_scaler.go" for n in trim.KEEP)
+    builder = (scaling / "scalers_builder.go").read_text()
+    assert "cloud7" not in builder and "no scaler found" in builder and "TRIGGERS-END" in builder
+    with pytest.raises(SystemExit, match="not the layout"):
+        trim.trim(tmp_path)  # the same tree again: too few scalers left to be KEDA's
