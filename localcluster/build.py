@@ -194,12 +194,13 @@ class Builder:
         print(f"{PREFIX} {c.name + ' ' + c.version:<34} {time.monotonic() - t:5.0f}s", file=self.out, flush=True)
         return True
 
-    def build_all(self, components: list[Component], jobs: int | None = None) -> None:
+    def build_all(self, components: list[Component], jobs: int | None = None, plan: Path | None = None) -> None:
         """Build what is missing of ``components``, ``jobs`` at a time (default: $EMBEDOPS_BUILD_JOBS, else 2),
         the longest first. Measured on 2 cores (docs/cluster.md): two at a time took 2391 s for all 15 against
         ~2450 s one at a time, a small gain (go build keeps both cores busy most of the time); more jobs pay on
         more cores. The first failure stops what has not started; the builds running finish, then it is
-        raised."""
+        raised. ``plan``: a file given the folders of the components to build, first (the build beside the tests
+        writes it: a test waits only for what is in it, localcluster/components.py await_background_build)."""
         for d in (self.logs, self.tmp):
             d.mkdir(parents=True, exist_ok=True)
         jobs = jobs or int(os.environ.get("EMBEDOPS_BUILD_JOBS", "2"))
@@ -207,6 +208,10 @@ class Builder:
         # builds what is still missing; with nothing missing it does not wait on the lock that build holds
         todo = sorted((c for c in components if not await_background_build(c)),
                       key=lambda c: -COLD_SECONDS.get(c.name, 0))
+        if plan:
+            plan.parent.mkdir(parents=True, exist_ok=True)
+            plan.with_suffix(".tmp").write_text("".join(f"{c.dir}\n" for c in todo))
+            os.replace(plan.with_suffix(".tmp"), plan)
         if not todo:
             return
         t = time.monotonic()
@@ -277,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("names", nargs="*", default=["tests"], help=f"components or sets ({', '.join(SETS)})")
     p.add_argument("--list", action="store_true", help="print the component table and exit")
+    p.add_argument("--plan", type=Path, help="first write the folders of the components this run builds to PLAN "
+                   "(scripts/test-lanes.sh: a test waits only for those)")
     args = p.parse_args(argv)
     if args.list:
         print(table())
@@ -287,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PREFIX} {e.args[0]}", file=sys.stderr)
         return 2
     try:
-        Builder().build_all(components)
+        Builder().build_all(components, plan=args.plan)
     except StepFailed as e:
         print(e, file=sys.stderr)
         lines = e.log.read_text(errors="replace").splitlines()[-15:]

@@ -367,16 +367,25 @@ def provided(name: str, file: str | None = None) -> Path:
 
 
 def await_background_build(c: Component, poll: float = 2.0) -> bool:
-    """Wait while the build `make test` runs beside its tests ($EMBEDOPS_BACKGROUND_BUILD) has not made ``c``
-    and has not ended; True when ``c`` is built. Without that build, or once it has ended, it returns at once:
-    a component that is still missing is then the caller's to report (its skip, or CI's failure)."""
+    """Wait while the build `make test` runs beside its tests ($EMBEDOPS_BACKGROUND_BUILD) is making ``c`` and
+    has not ended; True when ``c`` is built. Without that build, once it has ended, or when its plan (the
+    folders it said it would make, ``build.plan`` beside its status file) does not name ``c``'s folder, it returns
+    at once: a component that is still missing is then the caller's to report (its skip, or CI's failure). The
+    plan is what keeps a build into another cache (a test's own, under tmp) from waiting on this one."""
     status = os.environ.get(BACKGROUND_BUILD)
     if c.built() or not status:
         return c.built()
+    plan = Path(status).with_suffix(".plan")
+
+    def making() -> bool:  # until the build has written its plan, any component may be in it
+        return not plan.exists() or str(c.dir) in plan.read_text().splitlines()
+
+    if not making():
+        return False
     t = time.monotonic()
     print(f"{c.name}: waiting for the build beside the tests (log {Path(status).with_suffix('.log')})",
           file=sys.stderr, flush=True)
-    while not c.built() and not os.path.exists(status):
+    while not c.built() and not os.path.exists(status) and making():
         time.sleep(poll)
     print(f"{c.name}: {'built' if c.built() else 'not built by the background build'} after "
           f"{time.monotonic() - t:.0f} s of waiting", file=sys.stderr, flush=True)

@@ -20,11 +20,12 @@ local_log="$logs/local.log"
 # `localcluster.build tests` not in `tests-start`, which `make test` built first) build beside the lanes, at the
 # lowest CPU priority, filling the lanes' waits (a cold run on 2 cores 63 min against 70 with every build first,
 # docs/cluster.md); a test that needs one waits for it (localcluster/components.py, provided). Warm, it finds all
-# built at once. The build itself must not wait for its own end: its variable is emptied.
+# built at once. The build itself must not wait for its own end: its variable is emptied. It first writes the
+# folders it will make (build.plan): a build into another cache (a test's own) does not wait for it.
 build_log="$logs/build.log"
 build_status="$logs/build.status"
-rm -f "$build_status"
-(EMBEDOPS_BACKGROUND_BUILD= nice -n 19 "$PY" -m localcluster.build tests >"$build_log" 2>&1
+rm -f "$build_status" "$logs/build.plan"
+(EMBEDOPS_BACKGROUND_BUILD= nice -n 19 "$PY" -m localcluster.build --plan "$logs/build.plan" tests >"$build_log" 2>&1
  echo $? >"$build_status") &
 build_pid=$!
 export EMBEDOPS_BACKGROUND_BUILD="$PWD/$build_status"
