@@ -31,15 +31,16 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from .components import (COMPONENTS, KUBERNETES_VERSION, RECIPES, SETS, Component, GoInstall, GoMain,
+from .components import (COMPONENTS, KUBERNETES_VERSION, RECIPES, SETS, TESTS_LATE, Component, GoInstall, GoMain,
                          GoModuleBuild, GoPackages, ModuleFiles, NpmArchiveMember, await_background_build, cache_dir,
                          expand)
 
 PREFIX = "cluster-binaries:"
 
-# Seconds each component took in a cold `.ci/run` on a new machine, two at a time (2026-12-06, docs/cluster.md), only
-# to start the longest builds first: with two at a time, a long one started last would run alone at the end.
-COLD_SECONDS = {"keda-controllers": 998, "traefik": 760, "k8s": 588, "source-controller": 465,
+# Seconds each component took in a cold `.ci/run` on a new machine, two at a time (2026-12-06, docs/cluster.md; KEDA
+# and Traefik as trimmed since, side by side from an empty build cache), only to start the longest builds first:
+# with two at a time, a long one started last would run alone at the end.
+COLD_SECONDS = {"keda-controllers": 365, "traefik": 383, "k8s": 588, "source-controller": 465,
                 "kustomize-controller": 418, "prometheus": 340, "prometheus-operator": 262, "prometheus-adapter": 248,
                 "kwok": 192, "coredns": 133, "kube-router": 114, "etcd": 36, "kstatus": 28, "actionlint": 6}
 
@@ -194,24 +195,26 @@ class Builder:
         print(f"{PREFIX} {c.name + ' ' + c.version:<34} {time.monotonic() - t:5.0f}s", file=self.out, flush=True)
         return True
 
-    def build_all(self, components: list[Component], jobs: int | None = None, plan: Path | None = None) -> None:
+    def build_all(self, components: list[Component], jobs: int | None = None, beside_tests: Path | None = None) -> None:
         """Build what is missing of ``components``, ``jobs`` at a time (default: $EMBEDOPS_BUILD_JOBS, else 2),
         the longest first. Measured on 2 cores (docs/cluster.md): two at a time took 2391 s for all 15 against
         ~2450 s one at a time, a small gain (go build keeps both cores busy most of the time); more jobs pay on
         more cores. The first failure stops what has not started; the builds running finish, then it is
-        raised. ``plan``: a file given the folders of the components to build, first (the build beside the tests
-        writes it: a test waits only for what is in it, localcluster/components.py await_background_build)."""
+        raised. ``beside_tests``: the build `make test` runs beside its lanes; it first writes the folders of the
+        components it will build to that file (a test waits only for those: components.await_background_build)
+        and builds them in the order the lanes need them (TESTS_LATE), not the longest first."""
         for d in (self.logs, self.tmp):
             d.mkdir(parents=True, exist_ok=True)
         jobs = jobs or int(os.environ.get("EMBEDOPS_BUILD_JOBS", "2"))
         # a caller inside `make test` (the gateway's set-up) first lets the build beside the tests make them, then
         # builds what is still missing; with nothing missing it does not wait on the lock that build holds
+        need = TESTS_LATE if beside_tests else ()
         todo = sorted((c for c in components if not await_background_build(c)),
-                      key=lambda c: -COLD_SECONDS.get(c.name, 0))
-        if plan:
-            plan.parent.mkdir(parents=True, exist_ok=True)
-            plan.with_suffix(".tmp").write_text("".join(f"{c.dir}\n" for c in todo))
-            os.replace(plan.with_suffix(".tmp"), plan)
+                      key=lambda c: (need.index(c.name) if c.name in need else -1, -COLD_SECONDS.get(c.name, 0)))
+        if beside_tests:
+            beside_tests.parent.mkdir(parents=True, exist_ok=True)
+            beside_tests.with_suffix(".tmp").write_text("".join(f"{c.dir}\n" for c in todo))
+            os.replace(beside_tests.with_suffix(".tmp"), beside_tests)
         if not todo:
             return
         t = time.monotonic()
@@ -282,8 +285,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("names", nargs="*", default=["tests"], help=f"components or sets ({', '.join(SETS)})")
     p.add_argument("--list", action="store_true", help="print the component table and exit")
-    p.add_argument("--plan", type=Path, help="first write the folders of the components this run builds to PLAN "
-                   "(scripts/test-lanes.sh: a test waits only for those)")
+    p.add_argument("--beside-tests", type=Path, metavar="PLAN",
+                   help="the build beside the test lanes (scripts/test-lanes.sh): first write the folders of the "
+                   "components it builds to PLAN (a test waits only for those), then build them in the order the "
+                   "lanes need them")
     args = p.parse_args(argv)
     if args.list:
         print(table())
@@ -294,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PREFIX} {e.args[0]}", file=sys.stderr)
         return 2
     try:
-        Builder().build_all(components, plan=args.plan)
+        Builder().build_all(components, beside_tests=args.beside_tests)
     except StepFailed as e:
         print(e, file=sys.stderr)
         lines = e.log.read_text(errors="replace").splitlines()[-15:]

@@ -334,6 +334,12 @@ TESTS = tuple(c.name for c in COMPONENTS if c.name not in ("kind-tools", "coredn
 # lanes run the modules that need those late (tests/conftest.py). On 2 cores that fills the lanes' waits with
 # builds (a cold run 63 min against 70, docs/cluster.md "CI runs"); on more cores it overlaps far more.
 TESTS_START = (*DEMO, "helm", "kstatus")
+# The rest of TESTS in the order the lanes reach them (tests/conftest.py LATE_FILES): the gateway, then monitoring in
+# the cluster lane (the longer one, whose monitoring module waited 462 s for Prometheus in a cold run that built
+# the Flux controllers first); promtool and actionlint; Flux's controllers last, for the local lane's last module.
+# The build beside the tests makes them in this order, two at a time.
+TESTS_LATE = ("traefik", "keda-controllers", "prometheus", "prometheus-operator", "prometheus-adapter", "actionlint",
+              "source-controller", "kustomize-controller")
 MONITORING = ("prometheus-operator", "prometheus", "prometheus-operator-crds", "keda-controllers", "prometheus-adapter")
 GATEWAY = ("traefik", "gateway-api")
 SETS = {"demo": DEMO, "tests": TESTS, "tests-start": TESTS_START, "control-plane": CONTROL_PLANE, "crds": CRDS,

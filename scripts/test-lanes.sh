@@ -21,11 +21,12 @@ local_log="$logs/local.log"
 # lowest CPU priority, filling the lanes' waits (a cold run on 2 cores 63 min against 70 with every build first,
 # docs/cluster.md); a test that needs one waits for it (localcluster/components.py, provided). Warm, it finds all
 # built at once. The build itself must not wait for its own end: its variable is emptied. It first writes the
-# folders it will make (build.plan): a build into another cache (a test's own) does not wait for it.
+# folders it will make (build.plan): a build into another cache (a test's own) does not wait for it; it builds
+# them in the order the lanes reach them (localcluster/components.py TESTS_LATE).
 build_log="$logs/build.log"
 build_status="$logs/build.status"
 rm -f "$build_status" "$logs/build.plan"
-(EMBEDOPS_BACKGROUND_BUILD= nice -n 19 "$PY" -m localcluster.build --plan "$logs/build.plan" tests >"$build_log" 2>&1
+(EMBEDOPS_BACKGROUND_BUILD= nice -n 19 "$PY" -m localcluster.build --beside-tests "$logs/build.plan" tests >"$build_log" 2>&1
  echo $? >"$build_status") &
 build_pid=$!
 export EMBEDOPS_BACKGROUND_BUILD="$PWD/$build_status"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from localcluster import components
-from localcluster.build import VersionMismatch, check_version
+from localcluster.build import COLD_SECONDS, VersionMismatch, check_version
 
 REPO = Path(__file__).resolve().parents[2]
 SHELL_FILES = [*sorted((REPO / "scripts").glob("*.sh")), REPO / "tests" / "e2e" / "kind.sh", REPO / "Makefile"]
@@ -153,6 +153,8 @@ def test_the_sets_name_known_components_and_the_demo_builds_less():
     start = set(components.TESTS_START)
     assert demo < start < tests and {"helm"} <= start
     assert start.isdisjoint({"keda-controllers", "traefik", "prometheus", "source-controller", "actionlint"})
+    # the build beside the tests knows the order of all it makes: everything of the tests' set not built first
+    assert set(components.TESTS_LATE) == tests - start and len(components.TESTS_LATE) == len(tests - start)
     files = components.crd_files()
     assert set(files) == {"servicemonitor", "prometheusrule", "monitoring", "httproute", "scaledobject", "keda"}
     assert set(files["servicemonitor"]) < set(files["monitoring"]) and len(files["monitoring"]) == 10
@@ -211,6 +213,29 @@ def test_a_test_waits_for_a_component_the_build_beside_the_tests_is_making(tmp_p
     monkeypatch.delenv(components.BACKGROUND_BUILD)  # no build beside the tests: nothing to wait for
     status.unlink()
     assert components.await_background_build(actionlint, poll=0.05) is False
+
+
+def test_the_build_beside_the_tests_plans_first_and_builds_in_the_order_the_lanes_need(tmp_path, monkeypatch):
+    """The build beside the lanes writes its plan before it builds anything and makes the components in the lanes'
+    order of need (the gateway's and monitoring's before Flux's); any other build runs the longest first."""
+    from localcluster.build import Builder
+    monkeypatch.setenv("EMBEDOPS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(components.BACKGROUND_BUILD, raising=False)
+    late = [components.component(n) for n in components.TESTS_LATE]
+    builder, plan, order = Builder(cache=tmp_path / "cache"), tmp_path / "lanes" / "build.plan", []
+
+    def build(c):
+        assert sorted(plan.read_text().splitlines()) == sorted(str(x.dir) for x in late)
+        order.append(c.name)
+        return True
+
+    monkeypatch.setattr(builder, "build", build)
+    builder.build_all(list(reversed(late)), jobs=1, beside_tests=plan)
+    assert order == list(components.TESTS_LATE)
+    assert order.index("prometheus") < order.index("source-controller")
+    order.clear()
+    builder.build_all(late, jobs=1)
+    assert order[0] == max(components.TESTS_LATE, key=lambda n: COLD_SECONDS.get(n, 0))
 
 
 def test_the_keda_trim_keeps_the_triggers_the_operator_writes_and_refuses_an_unknown_layout(tmp_path):
