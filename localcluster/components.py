@@ -332,7 +332,7 @@ TESTS = tuple(c.name for c in COMPONENTS if c.name not in ("kind-tools", "coredn
 # What the tests need from their start (the control planes, the real node, the chart's helm, the CRDs): `make test`
 # builds it first and the rest of TESTS (monitoring, gateway, Flux, promtool, actionlint) beside the tests, whose
 # lanes run the modules that need those late (tests/conftest.py). On 2 cores that fills the lanes' waits with
-# builds (a cold run 63 min against 70, docs/cluster.md "CI runs"); on more cores it overlaps far more.
+# builds (a cold run 63 min against 70 when measured, docs/cluster.md "CI runs"); on more cores it overlaps far more.
 TESTS_START = (*DEMO, "helm", "kstatus")
 # The rest of TESTS in the order the lanes reach them (tests/conftest.py LATE_FILES): the gateway, then monitoring in
 # the cluster lane (the longer one, whose monitoring module waited 462 s for Prometheus in a cold run that built
