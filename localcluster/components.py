@@ -141,7 +141,7 @@ class Component:
         return all((self.dir / f).exists() for f in (*self.provides, *self.aliases))
 
 
-PROMETHEUS_OPERATOR_VERSION = "v0.85.0"
+PROMETHEUS_OPERATOR_VERSION = "v0.93.0"
 KEDA_VERSION = "v2.21.0"
 PROMETHEUS_ADAPTER_VERSION = "v0.12.0"
 KEDA_MANIFESTS = ("config/general/namespace.yaml", "config/service_account/service_account.yaml",

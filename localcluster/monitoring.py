@@ -4,7 +4,7 @@ What a platform team installs with kube-prometheus-stack, made here from Go modu
 ``monitoring`` set) since no image can be pulled:
 
 * the ``monitoring.coreos.com`` CRDs Prometheus Operator needs to start;
-* Prometheus Operator v0.85.0 as a process beside the control plane (recorded in the cluster's state, so
+* Prometheus Operator v0.93.0 as a process beside the control plane (recorded in the cluster's state, so
   ``controlplane down`` stops it), with the admin client certificate; it renders every Prometheus object
   into a StatefulSet, its config from the ServiceMonitors the Prometheus selects;
 * the images of Prometheus 3.x and the config reloader (``images.build_binary_image``: the static binaries

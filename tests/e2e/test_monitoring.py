@@ -2,7 +2,7 @@
 renders, the Prometheus it runs on the real node scrapes the server pod, and what the ScaledObject asks of
 Prometheus answers.
 
-The stack is localcluster/monitoring.py (Prometheus Operator v0.85.0 and Prometheus 3.x built from their Go
+The stack is localcluster/monitoring.py (Prometheus Operator v0.93.0 and Prometheus 3.x built from their Go
 modules, Prometheus as a pod of its own image). Bounded local load only.
 """
 from __future__ import annotations
@@ -40,8 +40,8 @@ def stack(kube, real):  # noqa: F811 - the fixture imported above
 def monitored(request, kube, real, ns, svc, stack, operator):  # noqa: F811
     """A CPU service whose ServiceMonitor carries the labels this Prometheus selects, scraped every 5 s, with
     autoscaling by KEDA (its CRD only until the KEDA test starts KEDA), and the operator's own ServiceMonitor.
-    Both ServiceMonitors go in together: Prometheus' config reloader missed a second config change ten seconds
-    after the first one here and picked it up only on its 3-minute poll. The chart's metrics-reader ClusterRole
+    Both ServiceMonitors go in together (one config change; the reloader before Prometheus Operator v0.91 saw
+    a second change ten seconds later only on its 3-minute poll, docs/cluster.md). The chart's metrics-reader ClusterRole
     and binding are removed afterwards (the chart's own install in test_real_pods.py must not find them)."""
     reader_rbac = _scrape_the_operator(kube, ns, operator.metrics_port)
     request.addfinalizer(lambda: _delete_cluster_scoped(kube, reader_rbac))
@@ -129,11 +129,12 @@ def test_prometheus_selects_the_service_monitor_by_its_labels_and_scrapes_the_po
     kube.apply([unselected])
 
     # From the ServiceMonitor to the first successful scrape: Prometheus Operator regenerates the config, the
-    # reloader sees the Secret's volume update (the kubelet syncs it within its sync period, up to a minute),
-    # Prometheus reloads and scrapes. Usually well under a minute; one CI run on a busy machine took over 120 s.
+    # reloader sees the Secret's volume update (the kubelet syncs it within its sync period, 10 s here; the
+    # reloader watches its folder since v0.91), Prometheus reloads and scrapes: seconds. Up to v0.90 a missed
+    # file event left it to the reloader's 3-minute poll (170 s in one warm CI run).
     started = time.monotonic()
     try:
-        up = _series(stack, f'up{{namespace="{ns}",service="{NAME}"}} == 1', timeout=240)
+        up = _series(stack, f'up{{namespace="{ns}",service="{NAME}"}} == 1', timeout=120)
     except AssertionError as e:
         seen = [(t["scrapePool"], t["health"], t.get("lastError")) for t in stack.targets()]
         raise AssertionError(f"{e}\nPrometheus' active targets: {seen}\n"
@@ -355,7 +356,7 @@ def test_alerts_load_and_stalled_fires_then_resolves_on_live_data(kube, real, ns
     """The chart's PrometheusRule on the live Prometheus, and one alert taken through a real fault: a service
     whose pod can never be scheduled is Stalled (the e2e operator decides that after 10 s), the alert fires,
     and resolves once the service is gone. `for` is 0 s here; the promtool tests check the real ones."""
-    # every `for` at 0 s, once: a second rule change could wait for the config reloader's 3-minute poll
+    # every `for` at 0 s, once: each rule change is a reload (the reloader watches the rules' folders)
     kube.apply([_chart(kube, ns, *(f"alerts.for.{k}=0s" for k in _chart_values()["alerts"]["for"]))
                 ["PrometheusRule"]])
 
@@ -363,7 +364,7 @@ def test_alerts_load_and_stalled_fires_then_resolves_on_live_data(kube, real, ns
         groups = {g["name"]: g for g in stack.rule_groups()}
         if {"embedops.services", "embedops.operator"} <= set(groups):
             return groups
-    groups = wait_for(loaded, timeout=240, what="the chart's rule groups loaded by Prometheus")
+    groups = wait_for(loaded, timeout=120, what="the chart's rule groups loaded by Prometheus")
     rules = [r for g in groups.values() for r in g["rules"]]
     assert len(rules) == 10
 
