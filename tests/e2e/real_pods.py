@@ -141,7 +141,12 @@ print(json.dumps({"ok": ok[0], "failed": sum(fails.values()), "failures": dict(f
 
 # $CONCURRENCY requests at once, each $INPUTS texts over 512 tokens (truncated) to $URL (/embed_hybrid: dense,
 # sparse and ColBERT as JSON floats, the largest answer the service gives); each answer is read as it streams
-# and only counted (the client pod has 256Mi). Prints one JSON list: status, bytes, inputs answered, seconds.
+# and only counted (the client pod has 256Mi). The server holds an answer's float32 vectors until they are sent
+# and starts it once its last forward is done, so a fast reader frees the first answer while the engine is still
+# making the next: the first answer to begin is read up to its first chunk only, until every other answer has
+# begun, so that all of them are held at once (what the operator's estimate sizes: RESPONSES_IN_FLIGHT; a client
+# that reads slowly does this in production). Prints one JSON list: status, bytes, inputs answered, seconds, and
+# for the held one how long it waited.
 HYBRID_BURST = r"""
 import json, os, threading, time, urllib.request
 url, n, k = os.environ["URL"], int(os.environ["INPUTS"]), int(os.environ["CONCURRENCY"])
@@ -149,12 +154,18 @@ texts = [f"passage {i}: hybrid retrieval with lexical weights and late-interacti
 body = json.dumps({"inputs": texts, "truncate": True}).encode()
 mark = b'"colbert":'
 out = [None] * k
+begun, lock, all_begun = [], threading.Lock(), threading.Event()
 def call(j):
     t = time.monotonic()
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=900) as r:
-            size, rows, tail = 0, 0, b""
+            with lock:
+                begun.append(j)
+                first = len(begun) == 1
+                if len(begun) == k:
+                    all_begun.set()
+            size, rows, tail, held = 0, 0, b"", None
             while True:
                 chunk = r.read(1 << 20)
                 if not chunk:
@@ -162,8 +173,11 @@ def call(j):
                 size += len(chunk)
                 rows += (tail + chunk).count(mark)
                 tail = chunk[-(len(mark) - 1):]
+                if first and held is None:
+                    h = time.monotonic()
+                    held = round(time.monotonic() - h, 1) if all_begun.wait(900) else "timed out"
             out[j] = {"status": r.status, "bytes": size, "rows": rows, "seconds": round(time.monotonic() - t, 1),
-                      "transfer_encoding": r.headers.get("Transfer-Encoding")}
+                      "transfer_encoding": r.headers.get("Transfer-Encoding"), "held_s": held}
     except Exception as e:
         out[j] = {"status": getattr(e, "code", None), "error": f"{type(e).__name__}: {e}"[:300]}
 threads = [threading.Thread(target=call, args=(j,)) for j in range(k)]
