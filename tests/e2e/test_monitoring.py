@@ -41,8 +41,9 @@ def monitored(request, kube, real, ns, svc, stack, operator):  # noqa: F811
     """A CPU service whose ServiceMonitor carries the labels this Prometheus selects, scraped every 5 s, with
     autoscaling by KEDA (its CRD only until the KEDA test starts KEDA), and the operator's own ServiceMonitor.
     Both ServiceMonitors go in together (one config change; the reloader before Prometheus Operator v0.91 saw
-    a second change ten seconds later only on its 3-minute poll, docs/cluster.md). The chart's metrics-reader ClusterRole
-    and binding are removed afterwards (the chart's own install in test_real_pods.py must not find them)."""
+    a second change ten seconds later only on its 3-minute poll, docs/cluster.md). The chart's metrics-reader
+    ClusterRole and binding are removed afterwards (the chart's own install in test_real_pods.py must not find
+    them)."""
     reader_rbac = _scrape_the_operator(kube, ns, operator.metrics_port)
     request.addfinalizer(lambda: _delete_cluster_scoped(kube, reader_rbac))
     doc = on_real_node(example(), real)
