@@ -13,6 +13,7 @@ from ..core.errors import BACKEND, EMPTY, VALIDATION
 from ..core.model_info import CLASSIFIER, EMBEDDER, RERANKER, SPARSE
 from . import errors, scoring
 from .errors import ApiError
+from .metrics import after_response
 from .openapi import TASKS
 from .schemas import (DECODE_OK, EMBED_ALL_OK, EMBED_OK, PREDICT_OK, RERANK_OK, SIMILARITY_OK, TOKENIZE_OK,
                       DecodeRequest, EmbedAllRequest, EmbedRequest, PredictRequest, RerankRequest, SimilarityRequest,
@@ -38,7 +39,12 @@ def app_state(request: Request):
 
 
 def count_success(st, route: str, n: int, t0: float) -> None:
-    """A request answered: te_request_count and _success (failures count in errors._record)."""
+    """A request answered: te_request_count and _success (failures count in errors._record). Recorded once the
+    answer is written: see after_response."""
+    after_response(_count_success, st, route, n, t0)
+
+
+def _count_success(st, route: str, n: int, t0: float) -> None:
     c = st.metrics.c
     method = "batch" if n > 1 else "single"
     c.inc("te_request_count", method=method)
@@ -63,6 +69,11 @@ async def _embed_like(request: Request, body, need_tokens: bool, tasks: tuple[st
 
 
 def observe_phases(st, req) -> None:
+    """The request's tokenization, queue and inference times (TEI's histograms), after the answer."""
+    after_response(_observe_phases, st, req)
+
+
+def _observe_phases(st, req) -> None:
     m = st.metrics
     n = max(1, req.n)
     m.request_tok.observe(max(0.0, req.t_tokenized - req.t_start))

@@ -14,7 +14,7 @@ from ..service import Service
 from ..settings import Settings
 from .errors import INPUTS_KEY, ApiError, count_request
 from .timing import ENGINE_REQUEST_KEY
-from .metrics import Metrics
+from .metrics import Metrics, after_response
 
 # The client's word on a request's lane (core/lanes.py): "interactive" or "batch". A header, so that a client
 # sets it without touching bodies: the OpenAI SDK per call (extra_headers) or per client (default_headers),
@@ -164,12 +164,14 @@ class AppState:
                 count_request(self, request)  # a 499 is not recorded by the error handler
                 raise ApiError("ClientClosedRequest", "client disconnected")
             results = fut.result()
-            self.metrics.c.inc("embedops_lane_requests", lane=lane)
-            self.metrics.lane_duration_of[lane].observe(
-                max(0.0, (req.t_done or time.perf_counter()) - req.t_start))
+            after_response(self._count_lane, lane, max(0.0, (req.t_done or time.perf_counter()) - req.t_start))
             return results, req
         finally:
             lanes.release(lane, n)
+
+    def _count_lane(self, lane: str, seconds: float) -> None:
+        self.metrics.c.inc("embedops_lane_requests", lane=lane)
+        self.metrics.lane_duration_of[lane].observe(seconds)
 
     def headers(self, req, t_start: float) -> dict[str, str]:
         n = max(1, req.n)
