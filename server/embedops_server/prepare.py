@@ -9,10 +9,11 @@ that outlives the pod (model.cache) later pods find the entry and it returns in 
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
+import os
 import resource
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,32 +45,32 @@ def prepare(s: Settings) -> dict:
         return summary
     from tokenizers import Tokenizer
 
-    from .backends.onnx_export import cache_dir, cache_root
+    from .backends.onnx_export import cache_dir
     from .service import make_backend
 
     entry = cache_dir(info, s.onnx_cache)
-    root = cache_root(s.onnx_cache)
-    # Two pods starting together on a shared cache: one prepares, the other waits and then finds it all made.
-    with open(root / f".{entry.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        tokenizer = Tokenizer.from_file(str(info.path / "tokenizer.json"))
-        tokenizer.no_padding()
-        tokenizer.no_truncation()
-        backend = make_backend(s, info, tokenizer)
-        graph = Path(backend.model_path)
-        summary.update({
-            "prepared": backend.name, "cache_entry": str(entry), "graph": graph.name,
-            "graph_bytes": getattr(backend, "model_bytes", None), "dtype": backend.dtype,
-            "int8_cosine": getattr(backend, "int8_cosine", None),
-            "latency_graph": getattr(backend, "latency_graph", None),
-            "seconds": round(time.perf_counter() - t0, 1),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-        })
-        del backend
-        try:
-            (entry / PREPARED_FILE).write_text(json.dumps(summary, indent=1))
-        except OSError:
-            pass  # read-only and already prepared: nothing new to record
+    tokenizer = Tokenizer.from_file(str(info.path / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    # Two pods starting together on a shared cache: make_backend holds the entry's lock while it makes the files
+    # (onnx_export.entry_lock), so one prepares and the other waits, then finds it all made.
+    backend = make_backend(s, info, tokenizer)
+    graph = Path(backend.model_path)
+    summary.update({
+        "prepared": backend.name, "cache_entry": str(entry), "graph": graph.name,
+        "graph_bytes": getattr(backend, "model_bytes", None), "dtype": backend.dtype,
+        "int8_cosine": getattr(backend, "int8_cosine", None),
+        "latency_graph": getattr(backend, "latency_graph", None),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+    })
+    del backend
+    try:  # written whole or not at all: another pod's prepare may write it too
+        with tempfile.NamedTemporaryFile("w", dir=entry, prefix=f".{PREPARED_FILE}.", delete=False) as f:
+            f.write(json.dumps(summary, indent=1))
+        os.replace(f.name, entry / PREPARED_FILE)
+    except OSError:
+        pass  # read-only and already prepared: nothing new to record
     return summary
 
 

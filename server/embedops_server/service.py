@@ -73,19 +73,23 @@ def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
         if not info.has_torch_weights:
             raise ModelError(f"{info.path} has no torch weights; --backend hybrid needs them")
         from .backends.hybrid import HybridBackend
+        from .backends.onnx_export import entry_lock
         from .backends.ort_backend import OrtBackend
         from .backends.torch_backend import TorchBackend
 
         # one forward at a time here (HybridBackend.parallel_forwards is 1): no side-by-side ORT session
-        short = OrtBackend(info, threads=threads, cache=s.onnx_cache, tokenizer=tokenizer, parallel=False)
+        with entry_lock(info, s.onnx_cache):
+            short = OrtBackend(info, threads=threads, cache=s.onnx_cache, tokenizer=tokenizer, parallel=False)
         return HybridBackend(short, TorchBackend(info, dtype="float32", device="cpu", threads=threads,
                                                  tokenizer=tokenizer))
     if kind in ("onnxruntime", "ort", "onnx"):  # float32 (or int8): Settings refuses another dtype with it
+        from .backends.onnx_export import entry_lock
         from .backends.ort_backend import OrtBackend
 
         try:
-            return OrtBackend(info, threads=threads, quantize=s.quantize, cache=s.onnx_cache,
-                              int8_min_cosine=s.int8_min_cosine, tokenizer=tokenizer)
+            with entry_lock(info, s.onnx_cache):
+                return OrtBackend(info, threads=threads, quantize=s.quantize, cache=s.onnx_cache,
+                                  int8_min_cosine=s.int8_min_cosine, tokenizer=tokenizer)
         except Exception as e:
             # auto only: an architecture the exporter cannot handle still serves, on torch.
             if s.backend != "auto" or s.quantize or not info.has_torch_weights or not torch_installed():

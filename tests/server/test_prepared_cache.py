@@ -314,3 +314,34 @@ def test_quantizing_keeps_its_temporary_copies_in_the_cache(hub_folder, tmp_path
     assert all(Path(d).parent == out for d in made), made
     assert not any(Path(d).exists() for d in made)
     assert tempfile.tempdir is None or not str(tempfile.tempdir).startswith(str(out))  # restored
+
+
+def test_two_servers_starting_together_on_one_cache_both_get_every_graph(hub_folder, tmp_path):
+    """Two processes making the same cache entry at once (two servers on one machine, two pods on a shared
+    volume) used to write the same temporary files: one of them lost its fused graph ("graph fusion failed",
+    found with two bench servers started together). The entry's lock makes the second wait and find them."""
+    import threading
+
+    import tokenizers
+
+    from embedops_server.service import make_backend
+    from embedops_server.settings import Settings
+
+    info = load_model_info(hub_folder)
+    settings = Settings(model_id=str(hub_folder), backend="onnxruntime", num_threads=2, quantize="int8",
+                        int8_min_cosine=0.9, onnx_cache=str(tmp_path / "cache"))
+    made: list = []
+
+    def start():
+        tok = tokenizers.Tokenizer.from_file(str(hub_folder / "tokenizer.json"))
+        made.append(make_backend(settings, info, tok))
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(made) == 2
+    assert [b.latency_graph for b in made] == ["fused-int8", "fused-int8"]
+    entry = onnx_export.cache_dir(info, settings.onnx_cache)
+    assert not [p.name for p in entry.iterdir() if "tmp" in p.name]

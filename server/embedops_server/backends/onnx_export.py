@@ -3,6 +3,7 @@ quantization."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import inspect
 import logging
@@ -76,6 +77,23 @@ def cache_dir(info: ModelInfo, base: str | None) -> Path:
             log.info("removing the ONNX cache entry of an earlier revision of %s: %s", source, other.parent)
             shutil.rmtree(other.parent, ignore_errors=True)
     return d
+
+
+@contextlib.contextmanager
+def entry_lock(info: ModelInfo, base: str | None):
+    """Hold this model revision's cache entry while its files are made and loaded: two processes starting
+    together on one cache (two pods' prepare steps on a shared volume, two servers on one machine) would
+    otherwise write the same temporary files at once, and one of them fail or keep a half-written graph. The
+    second waits, then finds every file made. A read-only cache is used as it is, without the lock."""
+    entry = cache_dir(info, base)
+    try:
+        lock = open(entry.parent / f".{entry.name}.lock", "w")
+    except OSError:  # read-only: nothing is made here
+        yield entry
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield entry
 
 
 def export_onnx(info: ModelInfo, out_dir: Path) -> Path:
