@@ -198,9 +198,6 @@ def test_ort_spinning_session_for_tiny_forwards(monkeypatch):
     b = OrtBackend(info, threads=2)  # on by default
     opts = b.small_session.get_session_options()
     assert opts.intra_op_num_threads == 2 and opts.get_session_config_entry("session.intra_op.allow_spinning") == "1"
-    # ...within a Run only: its threads stop spinning when the forward returns (the event loop and the client
-    # need that core next)
-    assert opts.get_session_config_entry("session.force_spinning_stop") == "1"
     assert b.session.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0"
     ids = np.array([[101, 7592, 2088, 102]], np.int64)
     batch = Batch(ids, np.ones_like(ids), np.zeros_like(ids), np.array([4]))

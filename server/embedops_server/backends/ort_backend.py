@@ -155,7 +155,7 @@ class OrtBackend(Backend):
         plain = self.model_path
         if tokenizer is None or not self.tuning.ort_fuse:
             self.latency_graph = "plain"
-            return self._session(plain, spin=True, spin_between_runs=False)
+            return self._session(plain, spin=True)
         int8 = self.dtype == "int8"
         try:
             fused = fuse_for_latency(self.fp32_path, info, cache_dir(info, cache))
@@ -165,7 +165,7 @@ class OrtBackend(Backend):
             log.warning("graph fusion failed, the small-forward session runs the plain graph: %s", exc)
             fused = None
         if fused is not None:
-            session = self._session(fused, spin=True, spin_between_runs=False)
+            session = self._session(fused, spin=True)
             agreement = self._compare(reference(), session, tokenizer)
             needed = int8_min_cosine if int8 else FUSED_MIN_COSINE
             if agreement >= needed:
@@ -176,10 +176,9 @@ class OrtBackend(Backend):
             log.warning("the fused graph disagrees with float32 (%.6f < %s): small forwards run the plain graph",
                         agreement, needed)
         self.latency_graph = "plain"
-        return self._session(plain, spin=True, spin_between_runs=False)
+        return self._session(plain, spin=True)
 
-    def _session(self, path: Path | bytes, spin: bool | None = None, threads: int | None = None,
-                 spin_between_runs: bool = True):
+    def _session(self, path: Path | bytes, spin: bool | None = None, threads: int | None = None):
         ort = self._ort
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -194,12 +193,6 @@ class OrtBackend(Backend):
         if spin is None:
             spin = self.tuning.ort_spin
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-        if spin and not spin_between_runs:
-            # Spin within a Run only (the latency session): after a one-query forward its threads went on
-            # spinning on the other core while the event loop sent the answer and the client sent the next
-            # query. Stopped when the Run returns: the same forward time, ~1 ms less CPU per query (MiniLM int8,
-            # 2 cores: 2.96 -> 2.99 ms, 7.9 -> 6.9 ms of CPU with 1 ms of other work between forwards).
-            so.add_session_config_entry("session.force_spinning_stop", "1")
         # No CPU memory arena: the arena keeps the buffers of the largest batch ever seen (RSS 853 -> 1247 MB in
         # a soak; 185 -> 2208 MB after one 32 x 512 batch, back to 188 MB without it) and small batches are
         # no slower without it. EMBEDOPS_ORT_ARENA=1 turns it back on.
