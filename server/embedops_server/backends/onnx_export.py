@@ -84,8 +84,14 @@ def entry_lock(info: ModelInfo, base: str | None):
     """Hold this model revision's cache entry while its files are made and loaded: two processes starting
     together on one cache (two pods' prepare steps on a shared volume, two servers on one machine) would
     otherwise write the same temporary files at once, and one of them fail or keep a half-written graph. The
-    second waits, then finds every file made. A read-only cache is used as it is, without the lock."""
-    entry = cache_dir(info, base)
+    second waits, then finds every file made. A read-only cache is used as it is, without the lock; one that
+    can be neither written nor read is the backend's to report, if it needs the cache at all (a float32 ONNX
+    folder served without the one-query session does not)."""
+    try:
+        entry = cache_dir(info, base)
+    except ModelError:
+        yield None
+        return
     try:
         lock = open(entry.parent / f".{entry.name}.lock", "w")
     except OSError:  # read-only: nothing is made here

@@ -338,8 +338,8 @@ class Engine:
             # Wake the waiting threads only when one of them can act: an inference thread on a queued input or
             # the look-ahead batch (the batcher waits for forwards to start, not end). After a lone query's
             # forward there is neither, and waking the batcher and the inference threads for nothing cost the
-            # event loop ~0.3 ms a query: each woken thread takes a core and the GIL while the loop still holds
-            # the condition's lock, and the latency session's threads still spin on the other core.
+            # event loop ~0.1 ms a query (0.66 -> 0.57 ms round trip with the forward stubbed): each woken thread
+            # takes a core and the GIL while the loop answers, and the latency session's threads still spin.
             if self._stop or self._slot is not None or len(self.queue):
                 self._cv.notify_all()
 
