@@ -89,17 +89,13 @@ def entry_lock(info: ModelInfo, base: str | None):
     folder served without the one-query session does not)."""
     try:
         entry = cache_dir(info, base)
-    except ModelError:
-        yield None
-        return
-    try:
         lock = open(entry.parent / f".{entry.name}.lock", "w")
-    except OSError:  # read-only: nothing is made here
-        yield entry
+    except (ModelError, OSError):  # read-only (nothing is made here), or the backend's to report
+        yield
         return
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        yield entry
+        yield
 
 
 def export_onnx(info: ModelInfo, out_dir: Path) -> Path:
