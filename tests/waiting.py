@@ -20,17 +20,18 @@ def wait_for(fn, timeout=60.0, interval=0.25, what="condition"):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last seen: {last!r}")
 
 
-class _Raised:
-    """What a poll that raised counts as: falsy (not yet), shown as the exception in the timeout message."""
+class NotYet:
+    """What a poll returns for "not yet" when the timeout message should say what it saw: falsy, shown as
+    ``seen``."""
 
-    def __init__(self, exc: Exception):
-        self.exc = exc
+    def __init__(self, seen):
+        self.seen = seen
 
     def __bool__(self) -> bool:
         return False
 
     def __repr__(self) -> str:
-        return repr(self.exc)
+        return self.seen if isinstance(self.seen, str) else repr(self.seen)
 
 
 def wait_until(what, fn, timeout=60.0, interval=0.25):
@@ -40,7 +41,7 @@ def wait_until(what, fn, timeout=60.0, interval=0.25):
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001 - keep polling, report the last error
-            return _Raised(exc)
+            return NotYet(exc)
     return wait_for(attempt, timeout, interval, what)
 
 

@@ -14,6 +14,7 @@ including it must keep loading.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -105,28 +106,47 @@ def config_hash(live: dict) -> str:
     return hashlib.sha256(json.dumps(ours, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def restart_consumers(kube, live: dict | None) -> list[str]:
+def restart_consumers(kube, live: dict | None, attempts: int = 5) -> list[str]:
     """LiteLLM reads its config at start only. Deployments labelled ``embedops.dev/litellm-config: <this
     ConfigMap>`` (the LiteLLM proxy's, which a platform team labels) get the hash of embedops' entries in their
     pod template, so a changed entry set rolls them out (a Deployment's usual rolling update, under the
-    manager embedops-litellm_restart, which owns only that annotation). Returns the Deployments written."""
+    manager embedops-litellm_restart, which owns only that annotation). Returns the Deployments written.
+
+    ``live`` only names the ConfigMap: the hash is of the ConfigMap read again from the API server, and after a
+    write it is read once more. Two writers can race (a service's reconcile and the resync's sweep of the same
+    entry, each writing the index or the restart): one holding a version another has since replaced would
+    otherwise leave the older hash last, and the proxy pods would carry a hash no ConfigMap has (once seen in
+    CI: the rollout the test waited for never came). Whoever wrote last checks and writes again."""
     if live is None:
         return []
     meta = live["metadata"]
     raw = getattr(kube, "kube", kube)  # not the operator's caches: they hold only its own Deployments
-    digest = config_hash(live)
-    written = []
-    for d in raw.list("apps/v1", "Deployment", meta["namespace"], f"{LABEL_CONSUMER}={meta['name']}"):
-        template = ((d.get("spec") or {}).get("template") or {}).get("metadata") or {}
-        if (template.get("annotations") or {}).get(ANNOTATION_HASH) == digest:
-            continue
-        raw.apply({"apiVersion": "apps/v1", "kind": "Deployment",
-                   "metadata": {"name": d["metadata"]["name"], "namespace": meta["namespace"]},
-                   "spec": {"template": {"metadata": {"annotations": {ANNOTATION_HASH: digest}}}}},
-                  manager=RESTART_MANAGER)
-        written.append(f"Deployment/{d['metadata']['name']}")
-    if written:
-        log.info("%s/%s: LiteLLM entries changed; rolling %s", meta["namespace"], meta["name"], written)
+    written: list[str] = []
+    current = raw.get("v1", "ConfigMap", meta["namespace"], meta["name"])
+    for _ in range(attempts):
+        if current is None:
+            return written
+        digest = config_hash(current)
+        wrote = []
+        for d in raw.list("apps/v1", "Deployment", meta["namespace"], f"{LABEL_CONSUMER}={meta['name']}"):
+            template = ((d.get("spec") or {}).get("template") or {}).get("metadata") or {}
+            if (template.get("annotations") or {}).get(ANNOTATION_HASH) == digest:
+                continue
+            raw.apply({"apiVersion": "apps/v1", "kind": "Deployment",
+                       "metadata": {"name": d["metadata"]["name"], "namespace": meta["namespace"]},
+                       "spec": {"template": {"metadata": {"annotations": {ANNOTATION_HASH: digest}}}}},
+                      manager=RESTART_MANAGER)
+            wrote.append(f"Deployment/{d['metadata']['name']}")
+        if wrote:
+            log.info("%s/%s: LiteLLM entries changed; rolling %s", meta["namespace"], meta["name"], wrote)
+            written += [w for w in wrote if w not in written]
+        else:
+            return written  # nothing of ours went out: whatever hash is there, its writer checks it
+        current = raw.get("v1", "ConfigMap", meta["namespace"], meta["name"])
+        if current is None or config_hash(current) == digest:
+            return written
+    log.warning("%s/%s: LiteLLM entries still changing after %d restarts; the next change rolls the proxies again",
+                meta["namespace"], meta["name"], attempts)
     return written
 
 
@@ -142,11 +162,13 @@ def remove_entry(kube, namespace: str, config_map: str, service_name: str) -> No
     restart_consumers(kube, sync_index(kube, after) or after)
 
 
-def sweep(kube, namespace: str | None, only: str | None = None) -> list[str]:
+def sweep(kube, namespace: str | None, only: str | None = None, hold=None) -> list[str]:
     """Remove stale entries from labelled ConfigMaps in `namespace` (None: all). Returns 'cm/service' removed.
 
     Each candidate's EmbeddingService is read live just before removal, so one created since a list was taken
-    keeps its entry. `only` limits the sweep to one service (its own reconcile).
+    keeps its entry. `only` limits the sweep to one service (its own reconcile). `hold((namespace, service))`,
+    when given, is the service's reconcile lock: the resync's sweep takes it around each removal, so it never
+    writes the same entry and index as that service's reconcile at the same moment.
     """
     removed = []
     for cm in kube.list("v1", "ConfigMap", namespace, f"{render.LABEL_LITELLM}=true"):
@@ -154,9 +176,10 @@ def sweep(kube, namespace: str | None, only: str | None = None) -> list[str]:
         for service in sorted(entry_owners(cm)):
             if only is not None and service != only:
                 continue
-            if wanted_config_map(kube.get(spec.API_VERSION, spec.KIND, meta["namespace"], service)) == meta["name"]:
-                continue
-            remove_entry(kube, meta["namespace"], meta["name"], service)
+            with hold((meta["namespace"], service)) if hold is not None else contextlib.nullcontext():
+                if wanted_config_map(kube.get(spec.API_VERSION, spec.KIND, meta["namespace"], service)) == meta["name"]:
+                    continue
+                remove_entry(kube, meta["namespace"], meta["name"], service)
             removed.append(f"{meta['namespace']}/{meta['name']}/{service}")
     if removed:
         log.info("removed stale LiteLLM entries: %s", removed)

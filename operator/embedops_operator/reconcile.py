@@ -464,7 +464,7 @@ class Reconciler:
         """Entries of services deleted while the operator was down (or whose DELETED event was missed)."""
         for ns in self.settings.namespaces or [None]:
             try:
-                litellm.sweep(self.kube, ns)
+                litellm.sweep(self.kube, ns, hold=self._lock)
             except Exception as exc:  # noqa: BLE001 - retried next resync
                 if unavailable_reason(exc) is None:
                     log.exception("LiteLLM sweep in %s failed", ns or "all namespaces")

@@ -31,6 +31,7 @@ from embedops_operator.litellm import INDEX_KEY as LITELLM_INDEX
 from embedops_operator.litellm import LABEL_CONSUMER as LITELLM_CONSUMER
 from tests.e2e.conftest import GROUP, PLURAL, REPO, VERSION, wait_for
 from tests.e2e.real_pods import LOAD_CLIENT, client_pod, pod_log
+from tests.waiting import NotYet
 from tests.e2e.test_real_pods import (RERANKER_DOC, _kubeconfig, example, ns, on_real_node, real,  # noqa: F401
                                       rolled_out, stop_load, svc, wait_ready)
 
@@ -364,6 +365,31 @@ def litellm_pod(svc, template_hash: str | None = None):  # noqa: F811
     return pods[0] if len(pods) == 1 else None
 
 
+def proxy_rollout(svc, digest: str, cm) -> str:  # noqa: F811
+    """What a wait for the proxy's rollout saw: the ConfigMap's hash and index, the Deployment's hash, and each
+    LiteLLM pod (its hash, phase, readiness, restarts, why it waits, and the models it lists when ready)."""
+    from kubernetes import client
+
+    dep = client.AppsV1Api(svc.core.api_client).read_namespaced_deployment("litellm", svc.ns)
+    pods = []
+    for p in svc.core.list_namespaced_pod(svc.ns, label_selector="app.kubernetes.io/name=litellm").items:
+        st = (p.status.container_statuses or [None])[0]
+        waiting = st.state.waiting.reason if st is not None and st.state and st.state.waiting else None
+        ready = bool(st is not None and st.ready)
+        models = None
+        if ready and p.status.pod_ip and p.metadata.deletion_timestamp is None:
+            try:
+                models = sorted(proxy_models(p))
+            except Exception as exc:  # noqa: BLE001 - a description, not a check
+                models = repr(exc)
+        pods.append(f"{p.metadata.name} hash={(p.metadata.annotations or {}).get(LITELLM_HASH)} "
+                    f"phase={p.status.phase} ready={ready} restarts={st.restart_count if st else None} "
+                    f"waiting={waiting} deleting={p.metadata.deletion_timestamp is not None} models={models}")
+    index = yaml.safe_load((cm.data or {}).get(LITELLM_INDEX, "{}") or "{}").get("include")
+    return (f"ConfigMap hash {digest} (index {index}); Deployment hash "
+            f"{(dep.spec.template.metadata.annotations or {}).get(LITELLM_HASH)}; pods: {pods}")
+
+
 def proxy_models(pod) -> set[str]:
     status, body = call(f"http://{pod.status.pod_ip}:{LITELLM_PORT}", "/v1/models", None, headers=MASTER)
     assert status == 200, body
@@ -439,7 +465,9 @@ def test_a_service_added_or_removed_reaches_the_running_proxy(proxy, routed, svc
             cm = svc.core.read_namespaced_config_map(LITELLM_CM, svc.ns)
             digest = entries.config_hash({"data": cm.data or {}})
             pod = litellm_pod(svc, digest)
-            return (pod, digest) if pod is not None and proxy_models(pod) == want else None
+            if pod is not None and proxy_models(pod) == want:
+                return pod, digest
+            return NotYet(proxy_rollout(svc, digest, cm))
         pod, digest = wait_for(rolled, timeout=300, what=f"a LiteLLM pod that lists {sorted(want)}")
         from kubernetes import client
 
