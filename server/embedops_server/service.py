@@ -6,6 +6,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from . import heap
 from .backends.base import Backend, cpu_threads
 from .core.engine import Engine, EngineStats
 from .core.lanes import Lanes
@@ -174,6 +175,8 @@ def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
     workers = s.tokenization_workers or max(1, min(64, (os.cpu_count() or 2) - 1))
     tokenizers = TokenizerPool(str(info.path / "tokenizer.json"), workers)
     backend = make_backend(s, info, tokenizers.tokenizer)
+    # what loading freed stays resident in glibc's heap otherwise (heap.py), under the warm-up's peak too
+    released = heap.release_free_memory() or 0
     lanes = make_lanes(s, backend, tokenizers, max_len, stats)
     engine = lanes.primary
     # Warm-up: a full budget on GPU (OOM shows at start, not under load); one max-length input on CPU.
@@ -181,6 +184,9 @@ def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
     graphs = getattr(backend, "_graphs", None)
     if graphs is not None:  # torch on CUDA: capture the one-query shapes now, not on the first request
         graphs.capture_small(min(max_len, 128))
+    released += heap.release_free_memory() or 0  # and what the warm-up's forward freed
+    if released > 0:
+        log.info("start-up: %d MiB of freed heap returned to the kernel", released >> 20)
     return Service(s, info, backend, engine, tokenizers, max_len, time.perf_counter() - t0, space, lanes)
 
 
