@@ -260,7 +260,7 @@ def estimates(model: Path, quantize: str | None, args, info: dict | None) -> dic
     forward = (info or {}).get("max_forward_tokens") or 1024
     parallel = (info or {}).get("parallel_forwards") or 1
     e = estimate(g, dtype="int8" if quantize else "float32", max_input_length=args.max_input_length,
-                 forward_tokens=forward, parallel_forwards=parallel, tokenizers=args.tokenizers + 2)
+                 forward_tokens=forward, parallel_forwards=parallel, tokenizers=args.tokenizers + 1)
     has_onnx = (model / "onnx" / "model.onnx").exists()
     return {"serve": e, "prepare": prepare_estimate(g, quantize=bool(quantize), export=not has_onnx),
             "parameters": g.parameters}

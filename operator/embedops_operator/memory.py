@@ -49,6 +49,9 @@ _MAX_SEQ = {"all-minilm-l6-v2": 256, "all-mpnet-base-v2": 384, "multilingual-e5-
 ROBERTA_OFFSET = 2  # RoBERTa-style position ids start after pad_token_id + 1
 HEADROOM = 1.25  # limit = estimate x this: glibc's arenas, a tokenizer burst, a longer-than-measured tail
 MIN_CPU_MEMORY = 1 << 30
+# render.TEMPLATE_REVISIONS' revision from which the CPU estimate counts the tokenizers the server holds and int8's
+# loading peak (the limit it renders is in the pod template)
+ESTIMATE_REVISION = 4
 PARALLEL_MAX_WEIGHTS = 200 << 20  # the server's SMALL_SESSION_MAX_BYTES: two forwards side by side below it
 MIG_MEMORY_GB = re.compile(r"\.(\d+)gb$")
 
@@ -93,9 +96,19 @@ def runs_onnx(spec: EmbeddingServiceSpec) -> bool:
     return spec.accelerator.cpu is not None and (spec.model.dtype in (None, "float32"))
 
 
-def estimate(spec: EmbeddingServiceSpec, dtype: str) -> Sizing | None:
+def tokenization_workers(cores: int, weights: float) -> int:
+    """The server's tokenizer threads (its TOKENIZATION_WORKERS). A large model's forwards take seconds, so one
+    keeps up; each holds its own tokenizer, whose memory grows with the vocabulary (~110 MB for XLM-R's 250k
+    pieces)."""
+    return 1 if weights > PARALLEL_MAX_WEIGHTS else max(1, min(4, cores // 2))
+
+
+def estimate(spec: EmbeddingServiceSpec, dtype: str, revision: int | None = None) -> Sizing | None:
     """The replica's and the prepare step's peak memory for ``spec`` (``dtype``: what render passes to the
-    server), or None for a model of unknown geometry."""
+    server), or None for a model of unknown geometry. ``revision``: the pod template revision whose limits it
+    sizes (None: the latest). From ESTIMATE_REVISION on it counts the tokenizers the server holds and int8's
+    loading peak; the revisions before keep the estimate their pods were given."""
+    current = revision is None or revision >= ESTIMATE_REVISION
     found = geometry(spec)
     if found is None:
         return None
@@ -108,12 +121,16 @@ def estimate(spec: EmbeddingServiceSpec, dtype: str) -> Sizing | None:
         weights = g.parameters * sizing.BYTES_PER_PARAMETER[weights_dtype]
         parallel = 2 if cpu.cores > 1 and weights <= PARALLEL_MAX_WEIGHTS and runs_onnx(spec) else 1
         forward = 256 if parallel > 1 else 1024
-        tokenizers = max(1, min(4, cpu.cores // 2)) + 2  # workers + the event loop's + the synchronous one
+        if current:  # the workers render/pod.py gives the server and the one its event loop and synchronous uses share
+            tokenizers = tokenization_workers(cpu.cores, weights) + 1
+        else:  # revisions before 4 counted cores // 2 workers (pod.py gives large models one) and two more
+            tokenizers = max(1, min(4, cpu.cores // 2)) + 2
         # ColBERT answers one 1024-float vector per token: a full request's outweigh a forward
         colbert_tokens = b.max_client_batch_size * longest if "colbert" in (m.outputs or []) else 0
         replica = sizing.estimate(g, dtype=weights_dtype, device="cpu", max_input_length=longest,
                                   forward_tokens=min(forward, b.max_batch_tokens), parallel_forwards=parallel,
-                                  tokenizers=tokenizers, colbert_request_tokens=colbert_tokens)
+                                  tokenizers=tokenizers, colbert_request_tokens=colbert_tokens,
+                                  int8_load_peak=sizing.INT8_LOAD_PEAK if current else 0.0)
     else:  # torch on CUDA: the warm-up runs a full max-batch-tokens forward
         replica = sizing.estimate(g, dtype=dtype, device="cuda", max_input_length=longest,
                                   forward_tokens=b.max_batch_tokens, tokenizers=4)

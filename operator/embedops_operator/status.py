@@ -199,7 +199,8 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
 
     # Stalled: terminal problems that retrying will not fix on its own.
     stalled: tuple[str, str] | None = None
-    memory = _memory_status(spec) if spec is not None else None
+    kept = observed.pod_templates.get("server")
+    memory = _memory_status(spec, kept[0].revision if kept else None) if spec is not None else None
     if memory:
         status["memory"] = memory
     served = _served_model(observed.pods)
@@ -343,8 +344,10 @@ def route_condition(route: dict | None, gateway, namespace: str) -> tuple[str, s
     return "True", "Accepted", f"accepted by {', '.join(accepted)}"
 
 
-def _memory_status(spec: EmbeddingServiceSpec) -> dict | None:
-    est = render.sizing_of(spec)
+def _memory_status(spec: EmbeddingServiceSpec, revision: int | None = None) -> dict | None:
+    """``revision``: the template revision the server's Deployment keeps (None: the latest), whose estimate its
+    pods were sized by."""
+    est = render.sizing_of(spec, revision)
     if est is None:
         return {"detail": f"no estimate: the operator does not know {spec.model.id}'s geometry (set model.geometry)"}
     out = {"estimate": sizing.quantity(est.replica.total), "detail": f"{est.replica.describe()}; {est.source}"}

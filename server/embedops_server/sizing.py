@@ -10,11 +10,16 @@ measured figures beside these estimates; docs/server.md#memory has the table).
 A replica's resident memory is
 
     runtime           Python, the web stack, ONNX Runtime or torch (+ CUDA context on a GPU)
-  + tokenizers        one Rust tokenizer per worker thread, plus the event loop's and a spare
+  + tokenizers        one Rust tokenizer per worker thread, plus the one the event loop and the synchronous
+                      uses share (core/tokenization.py)
   + weights           parameters x bytes per parameter (int8: one byte each, float32 four, float16 two)
-  + activations       the largest forward's live tensors, times the forwards that run side by side
-  + responses         ColBERT outputs waiting to be sent: one vector per token (bge-m3: 1024 floats), which
-                      for a full request outweigh a forward
+  + the larger of
+      activations     the largest forward's live tensors, times the forwards that run side by side,
+      + responses     and ColBERT outputs waiting to be sent: one vector per token (bge-m3: 1024 floats),
+                      which for a full request outweigh a forward
+    and loading       int8 on CPU: ONNX Runtime packs each MatMul's weights into MLAS's layout as it loads,
+                      the packed copies beside the originals until those are freed (the server then hands the
+                      freed heap back: heap.py)
 
 and the largest forward is the worse of two shapes: the longest accepted input alone (its attention scores
 grow with length^2: eager attention holds heads x length^2 scores per layer, 4.3 GB at 8192 tokens) and a full
@@ -65,6 +70,9 @@ CPU_RUNTIME = 230 * MIB
 CUDA_RUNTIME = 600 * MIB  # CUDA context, cuBLAS/cuDNN workspaces (not measured here: no GPU lent yet)
 TOKENIZER_BYTES_PER_PIECE = 430  # measured: 110 MB per instance for 250k Unigram pieces
 TOKENIZER_BASE = 4 * MIB
+# int8 on CPU while loading: the peak above the loaded weights, per byte of them. bge-m3 int8 (0.54 GB graph,
+# 2 cores, 2026-12-06): 1223 MiB at the end of loading against 967 once the freed heap was returned (0.47).
+INT8_LOAD_PEAK = 0.5
 # glibc keeps freed activation buffers mapped for a while (ONNX Runtime without its arena allocates per
 # forward): the resident peak runs above the live tensors
 ACTIVATION_SLACK = 1.3
@@ -84,16 +92,23 @@ class Estimate:
     activations: int
     detail: str  # which forward shape decided the activations
     responses: int = 0  # ColBERT outputs held while they are sent
+    loading: int = 0  # above the weights while they load (int8 on CPU: their packed copies)
+
+    @property
+    def serving(self) -> int:
+        """What forwards and answers add to the loaded model."""
+        return self.activations + self.responses
 
     @property
     def total(self) -> int:
-        return self.runtime + self.tokenizers + self.weights + self.activations + self.responses
+        return self.runtime + self.tokenizers + self.weights + max(self.serving, self.loading)
 
     def describe(self) -> str:
         rest = "runtime and tokenizers" if self.tokenizers else "runtime"
         held = f", ColBERT responses {gib(self.responses)}" if self.responses else ""
+        load = f"; loading, {gib(self.loading)} above the weights, is the peak" if self.loading > self.serving else ""
         return (f"{gib(self.total)} (weights {gib(self.weights)}, activations {gib(self.activations)} "
-                f"for {self.detail}{held}, {rest} {gib(self.runtime + self.tokenizers)})")
+                f"for {self.detail}{held}, {rest} {gib(self.runtime + self.tokenizers)}{load})")
 
 
 def gib(n: int | float) -> str:
@@ -114,12 +129,14 @@ def forward_bytes(g: Geometry, rows: int, length: int, bytes_per_value: int = 4,
 
 def estimate(g: Geometry, *, dtype: str, device: str = "cpu", max_input_length: int | None = None,
              forward_tokens: int = 1024, parallel_forwards: int = 1, tokenizers: int = 3,
-             colbert_request_tokens: int = 0) -> Estimate:
+             colbert_request_tokens: int = 0, int8_load_peak: float = INT8_LOAD_PEAK) -> Estimate:
     """Peak resident memory of one serving replica: host memory on CPU, GPU memory on CUDA.
 
     ``forward_tokens``: padded tokens per forward (CPU: the ONNX Runtime backend's 1024, or 256 per forward
     with two side by side; CUDA: up to max-batch-tokens, which the warm-up runs in full). ``tokenizers``: Rust
-    tokenizer instances (workers + the event loop's + the synchronous one). ``colbert_request_tokens``: with
+    tokenizer instances (the workers + the one the event loop and the synchronous uses share).
+    ``int8_load_peak``: int8 on CPU, the loading peak above the weights per byte of them (0: not counted, as
+    the operator's template revisions before 4 did). ``colbert_request_tokens``: with
     ColBERT outputs served, the most tokens one request may carry (max client batch size x longest input);
     its vectors (hidden-size floats each, bge-m3's ColBERT head) are host memory, so they count on CPU only:
     on a GPU they are not in the slice."""
@@ -144,7 +161,8 @@ def estimate(g: Geometry, *, dtype: str, device: str = "cpu", max_input_length: 
     tok = 0 if cuda else tokenizers * (TOKENIZER_BASE + TOKENIZER_BYTES_PER_PIECE * g.vocab)
     held = 0 if cuda else int(RESPONSES_IN_FLIGHT * colbert_request_tokens * g.hidden * 4
                               * RESPONSE_BYTES_PER_OUTPUT_BYTE)
-    return Estimate(CUDA_RUNTIME if cuda else CPU_RUNTIME, tok, weights, act, detail, held)
+    loading = int(weights * int8_load_peak) if dtype == "int8" and not cuda else 0
+    return Estimate(CUDA_RUNTIME if cuda else CPU_RUNTIME, tok, weights, act, detail, held, loading)
 
 
 # The one-time preparation, in float32 copies of the weights at its peak (measured on bge-m3's 2.27 GB: the

@@ -214,7 +214,12 @@ def test_colbert_outputs_count_the_responses_a_replica_holds():
     hybrid = R.sizing_of(parsed(with_outputs(INGEST, ["dense", "sparse", "colbert"]))).replica
     assert plain.responses == 0 and plain.total == R.sizing_of(parsed(INGEST)).replica.total
     held = sizing.RESPONSES_IN_FLIGHT * 64 * 512 * 1024 * 4 * sizing.RESPONSE_BYTES_PER_OUTPUT_BYTE
-    assert hybrid.responses == int(held) and hybrid.total - plain.total == hybrid.responses
+    assert hybrid.responses == int(held) and hybrid.serving - plain.serving == hybrid.responses
+    # int8: without ColBERT answers the loading peak (the weights' packed copies) is the larger; with them the
+    # answers are
+    assert plain.loading > plain.serving
+    assert plain.total == plain.runtime + plain.tokenizers + plain.weights + plain.loading
+    assert hybrid.total == hybrid.runtime + hybrid.tokenizers + hybrid.weights + hybrid.serving
     assert "ColBERT responses" in hybrid.describe() and "ColBERT" not in plain.describe()
     smaller = R.sizing_of(parsed(with_outputs(INGEST, ["dense", "sparse", "colbert"], batch=16))).replica
     assert smaller.responses * 4 == hybrid.responses  # linear in the request's tokens
@@ -233,3 +238,31 @@ def test_quantities_are_written_as_the_api_server_stores_them():
     assert sizing.quantity(3 * 2 ** 40) == "3Ti" and sizing.quantity(2 ** 30 + 1) == "1025Mi"
     for n in (1, 2 ** 20, 1536 * 2 ** 20, 2 ** 31, 10 ** 9):
         assert n <= sizing.parse_quantity(sizing.quantity(n)) < n + 2 ** 20
+
+
+def test_the_estimate_counts_the_tokenizers_the_server_holds_and_int8s_loading_peak_from_revision_4():
+    """Revision 4 (render.TEMPLATE_REVISIONS): the server holds one tokenizer per worker plus one the event loop
+    and the synchronous uses share, and bge-m3 is given one worker whatever its cores; int8's loading peak (the
+    weights' packed copies, about half the weights above them: docs/server.md#memory) is counted. A service whose
+    Deployment keeps an older revision keeps the limit its pods were given, and its status says that limit."""
+    spec = parsed(INGEST)  # 4 cores
+    new, old = R.sizing_of(spec).replica, R.sizing_of(spec, 3).replica
+    per_tokenizer = sizing.TOKENIZER_BASE + sizing.TOKENIZER_BYTES_PER_PIECE * 250002
+    env = {e["name"]: e.get("value") for e in container(render(INGEST))["env"]}
+    assert env["TOKENIZATION_WORKERS"] == "1"
+    assert new.tokenizers == 2 * per_tokenizer and old.tokenizers == 4 * per_tokenizer
+    assert new.loading == int(new.weights * sizing.INT8_LOAD_PEAK) and old.loading == 0
+    assert "loading" in new.describe() and "loading" not in old.describe()
+    # the seed's example: dense, sparse and ColBERT answers of up to 64 inputs, 4 cores
+    seed = copy.deepcopy(INGEST)
+    seed["model"]["outputs"], seed["batching"]["maxClientBatchSize"] = ["dense", "sparse", "colbert"], 64
+    assert M.cpu_memory(parsed(seed), R.sizing_of(parsed(seed))) == "2Gi"
+    assert M.cpu_memory(parsed(seed), R.sizing_of(parsed(seed), 3)) == "2304Mi"
+    fp32 = copy.deepcopy(INGEST)
+    del fp32["model"]["quantize"]
+    assert R.sizing_of(parsed(fp32)).replica.loading == 0  # float32: no packed int8 copies counted
+
+    kept = ST.Observed(deployment=deployment(), pod_templates={"server": (R.Pin(revision=3), "kept")})
+    assert ST.compute(defaulted(es(seed)), kept, R.Options(), now=NOW)["memory"]["limit"] == "2304Mi"
+    assert ST.compute(defaulted(es(seed)), ST.Observed(deployment=deployment()), R.Options(),
+                      now=NOW)["memory"]["limit"] == "2Gi"

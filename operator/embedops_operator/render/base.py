@@ -77,6 +77,8 @@ TEMPLATE_REVISIONS = {
        "download step quotes the model's cache path",
     2: "the server retires keep-alive connections older than spec.service.maxConnectionAgeSeconds",
     3: "spec.lanes: the server's lane flags, and its batch port for lanes.batchService",
+    4: "the CPU memory estimate behind requests and limits counts the tokenizers the server holds (workers + 1) "
+       "and int8's loading peak (memory.ESTIMATE_REVISION)",
 }
 TEMPLATE_REVISION = max(TEMPLATE_REVISIONS)
 ANNOTATION_TEMPLATE_REVISION = "embedops.dev/template-revision"

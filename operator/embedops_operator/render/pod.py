@@ -17,14 +17,15 @@ ONNX_CACHE = "/var/cache/embedops"  # the prepared ONNX graphs (model.cache, els
 DEFAULT_CACHE_SIZE = "8Gi"  # the ONNX cache emptyDir of a model the operator cannot size
 
 
-def sizing_of(spec: EmbeddingServiceSpec) -> memory.Sizing | None:
-    return memory.estimate(spec, dtype(spec))
+def sizing_of(spec: EmbeddingServiceSpec, revision: int | None = None) -> memory.Sizing | None:
+    """The memory estimate a pod template of ``revision`` (None: the latest) is sized by."""
+    return memory.estimate(spec, dtype(spec), revision)
 
 
-def _resources(spec: EmbeddingServiceSpec) -> dict:
+def _resources(spec: EmbeddingServiceSpec, est: memory.Sizing | None) -> dict:
     acc = spec.accelerator
     if acc.cpu:
-        mem = memory.cpu_memory(spec, sizing_of(spec))
+        mem = memory.cpu_memory(spec, est)
         res = {"requests": {"cpu": str(acc.cpu.cores), "memory": mem},
                "limits": {"cpu": str(acc.cpu.cores), "memory": mem}}
     elif acc.mig:
@@ -124,10 +125,7 @@ def _env(spec: EmbeddingServiceSpec, cache_dir: str | None, api_key: bool = True
     if spec.accelerator.cpu:
         threads = str(spec.accelerator.cpu.cores)
         est = sizing_of(spec)
-        # A large model's forwards take seconds: one tokenizer thread keeps up, and each tokenizer instance
-        # holds its vocabulary (~110 MB for XLM-R's 250k pieces)
-        big = est is not None and est.replica.weights > memory.PARALLEL_MAX_WEIGHTS
-        workers = 1 if big else max(1, min(4, spec.accelerator.cpu.cores // 2))
+        workers = memory.tokenization_workers(spec.accelerator.cpu.cores, est.replica.weights if est else 0)
         env += [{"name": "OMP_NUM_THREADS", "value": threads},
                 {"name": "MKL_NUM_THREADS", "value": threads},
                 {"name": "ORT_NUM_THREADS", "value": threads},
@@ -215,7 +213,7 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: P
                 "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
                 "securityContext": container_security(),
             })
-    est = sizing_of(spec)
+    est = sizing_of(spec, revision)
     cache = spec.model.cache
     if cache:  # outlives the pod: the first pod's prepare step fills it, later pods load what it made
         volumes.append({"name": "onnx-cache", "persistentVolumeClaim": {"claimName": cache.claim_name}})
@@ -242,7 +240,7 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: P
         "env": _env(spec, cache_dir),
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}] + (
             [{"name": "batch", "containerPort": BATCH_PORT, "protocol": "TCP"}] if batch_port(spec, revision) else []),
-        "resources": _resources(spec),
+        "resources": _resources(spec, est),
         "startupProbe": _probe(period=5, failures=120),  # up to 10 minutes to load weights
         "readinessProbe": _probe(period=5, failures=2),
         "livenessProbe": _probe(period=10, failures=3, timeout=5),
@@ -338,7 +336,7 @@ def _prepare_container(spec: EmbeddingServiceSpec, image: str, args: list[str], 
     into the EmbeddingService's status. It requests what the server requests (scheduling and the pod's
     effective request are unchanged) and may burst to the preparation's estimated peak: bge-m3 int8 needs
     ~9 GB once, then 1.5-2 GB to serve."""
-    server = _resources(spec)
+    server = _resources(spec, est)
     if spec.accelerator.cpu:
         requests = dict(server["requests"])
         limit = server["limits"]["memory"]
