@@ -29,14 +29,20 @@ TEXT = "Which space answered this question?"
 
 # Every $PERIOD s: POST $BODY to $URL on a new connection; one line per answer: [time, status, space, v0] (v0: the
 # vector's first value, which tells the spaces apart whatever the header says). Until /tmp/stop or $MAX_SECONDS.
+# The Service's name is resolved once: a lookup per request can stall 5 s (the resolver's timeout after a dropped
+# UDP answer, kube-proxy's conntrack race of parallel A and AAAA queries), and a request begun before the promotion
+# then connects after it, to the new space (CI saw it once: its first new answer "began" 4.7 s before the
+# promotion). With the address fixed, kube-proxy picks the pod at the request's first SYN, right after its time.
 PROBE = r"""
-import json, os, time, urllib.error, urllib.request
+import json, os, socket, time, urllib.error, urllib.parse, urllib.request
 url, body, period = os.environ["URL"], os.environ["BODY"].encode(), float(os.environ["PERIOD"])
+u = urllib.parse.urlsplit(url)
+url = u._replace(netloc=f"{socket.gethostbyname(u.hostname)}:{u.port or 80}").geturl()
 t0 = time.time()
 print("started", flush=True)
 while not os.path.exists("/tmp/stop") and time.time() - t0 < float(os.environ["MAX_SECONDS"]):
     t = time.time()
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", "Host": u.netloc})
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             v = json.loads(r.read())[0]
