@@ -20,18 +20,17 @@ def wait_for(fn, timeout=60.0, interval=0.25, what="condition"):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last seen: {last!r}")
 
 
-class NotYet:
-    """What a poll returns for "not yet" when the timeout message should say what it saw: falsy, shown as
-    ``seen``."""
+class _Raised:
+    """What a poll that raised counts as: falsy (not yet), shown as the exception in the timeout message."""
 
-    def __init__(self, seen):
-        self.seen = seen
+    def __init__(self, exc: Exception):
+        self.exc = exc
 
     def __bool__(self) -> bool:
         return False
 
     def __repr__(self) -> str:
-        return self.seen if isinstance(self.seen, str) else repr(self.seen)
+        return repr(self.exc)
 
 
 def wait_until(what, fn, timeout=60.0, interval=0.25):
@@ -41,7 +40,7 @@ def wait_until(what, fn, timeout=60.0, interval=0.25):
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001 - keep polling, report the last error
-            return NotYet(exc)
+            return _Raised(exc)
     return wait_for(attempt, timeout, interval, what)
 
 

@@ -254,7 +254,7 @@ def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> Appli
             if indexed is not None:
                 out.written.append(f"ConfigMap/{meta['name']} (LiteLLM index)")
             if wrote or indexed is not None:
-                out.written += litellm.restart_consumers(kube, indexed or live)
+                out.written += litellm.restart_consumers(kube, meta["namespace"], meta["name"])
     return out
 
 

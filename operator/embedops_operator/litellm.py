@@ -106,47 +106,44 @@ def config_hash(live: dict) -> str:
     return hashlib.sha256(json.dumps(ours, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def restart_consumers(kube, live: dict | None, attempts: int = 5) -> list[str]:
+def restart_consumers(kube, namespace: str, config_map: str, attempts: int = 5) -> list[str]:
     """LiteLLM reads its config at start only. Deployments labelled ``embedops.dev/litellm-config: <this
     ConfigMap>`` (the LiteLLM proxy's, which a platform team labels) get the hash of embedops' entries in their
     pod template, so a changed entry set rolls them out (a Deployment's usual rolling update, under the
     manager embedops-litellm_restart, which owns only that annotation). Returns the Deployments written.
 
-    ``live`` only names the ConfigMap: the hash is of the ConfigMap read again from the API server, and after a
-    write it is read once more. Two writers can race (a service's reconcile and the resync's sweep of the same
-    entry, each writing the index or the restart): one holding a version another has since replaced would
-    otherwise leave the older hash last, and the proxy pods would carry a hash no ConfigMap has (once seen in
-    CI: the rollout the test waited for never came). Whoever wrote last checks and writes again."""
-    if live is None:
-        return []
-    meta = live["metadata"]
+    The hash is of the ConfigMap as the API server has it now, and after a write it is read once more. Two
+    writers can race (a service's reconcile and the resync's sweep of the same entry, each writing the index
+    or the restart): one holding a version another has since replaced would otherwise leave the older hash
+    last, and the proxy pods would carry a hash no ConfigMap has (once seen in CI: the rollout the test
+    waited for never came). Whoever wrote last checks and writes again."""
     raw = getattr(kube, "kube", kube)  # not the operator's caches: they hold only its own Deployments
     written: list[str] = []
-    current = raw.get("v1", "ConfigMap", meta["namespace"], meta["name"])
+    current = raw.get("v1", "ConfigMap", namespace, config_map)
     for _ in range(attempts):
         if current is None:
             return written
         digest = config_hash(current)
         wrote = []
-        for d in raw.list("apps/v1", "Deployment", meta["namespace"], f"{LABEL_CONSUMER}={meta['name']}"):
+        for d in raw.list("apps/v1", "Deployment", namespace, f"{LABEL_CONSUMER}={config_map}"):
             template = ((d.get("spec") or {}).get("template") or {}).get("metadata") or {}
             if (template.get("annotations") or {}).get(ANNOTATION_HASH) == digest:
                 continue
             raw.apply({"apiVersion": "apps/v1", "kind": "Deployment",
-                       "metadata": {"name": d["metadata"]["name"], "namespace": meta["namespace"]},
+                       "metadata": {"name": d["metadata"]["name"], "namespace": namespace},
                        "spec": {"template": {"metadata": {"annotations": {ANNOTATION_HASH: digest}}}}},
                       manager=RESTART_MANAGER)
             wrote.append(f"Deployment/{d['metadata']['name']}")
         if wrote:
-            log.info("%s/%s: LiteLLM entries changed; rolling %s", meta["namespace"], meta["name"], wrote)
+            log.info("%s/%s: LiteLLM entries changed; rolling %s", namespace, config_map, wrote)
             written += [w for w in wrote if w not in written]
         else:
             return written  # nothing of ours went out: whatever hash is there, its writer checks it
-        current = raw.get("v1", "ConfigMap", meta["namespace"], meta["name"])
+        current = raw.get("v1", "ConfigMap", namespace, config_map)
         if current is None or config_hash(current) == digest:
             return written
     log.warning("%s/%s: LiteLLM entries still changing after %d restarts; the next change rolls the proxies again",
-                meta["namespace"], meta["name"], attempts)
+                namespace, config_map, attempts)
     return written
 
 
@@ -159,7 +156,8 @@ def remove_entry(kube, namespace: str, config_map: str, service_name: str) -> No
         return
     after = kube.apply({"apiVersion": "v1", "kind": "ConfigMap",
                         "metadata": {"name": config_map, "namespace": namespace}}, manager=manager(service_name))
-    restart_consumers(kube, sync_index(kube, after) or after)
+    sync_index(kube, after)
+    restart_consumers(kube, namespace, config_map)
 
 
 def sweep(kube, namespace: str | None, only: str | None = None, hold=None) -> list[str]:

@@ -31,7 +31,6 @@ from embedops_operator.litellm import INDEX_KEY as LITELLM_INDEX
 from embedops_operator.litellm import LABEL_CONSUMER as LITELLM_CONSUMER
 from tests.e2e.conftest import GROUP, PLURAL, REPO, VERSION, wait_for
 from tests.e2e.real_pods import LOAD_CLIENT, client_pod, pod_log
-from tests.waiting import NotYet
 from tests.e2e.test_real_pods import (RERANKER_DOC, _kubeconfig, example, ns, on_real_node, real,  # noqa: F401
                                       rolled_out, stop_load, svc, wait_ready)
 
@@ -365,10 +364,15 @@ def litellm_pod(svc, template_hash: str | None = None):  # noqa: F811
     return pods[0] if len(pods) == 1 else None
 
 
-def proxy_rollout(svc, digest: str, cm) -> str:  # noqa: F811
-    """What a wait for the proxy's rollout saw: the ConfigMap's hash and index, the Deployment's hash, and each
-    LiteLLM pod (its hash, phase, readiness, restarts, why it waits, and the models it lists when ready)."""
+def proxy_rollout(svc) -> str:  # noqa: F811
+    """What a wait for the proxy's rollout ends on: the ConfigMap's hash and index, the Deployment's hash, and
+    each LiteLLM pod (its hash, phase, readiness, restarts, why it waits, and the models it lists when ready)."""
     from kubernetes import client
+
+    from embedops_operator import litellm as entries
+
+    cm = svc.core.read_namespaced_config_map(LITELLM_CM, svc.ns)
+    digest = entries.config_hash({"data": cm.data or {}})
 
     dep = client.AppsV1Api(svc.core.api_client).read_namespaced_deployment("litellm", svc.ns)
     pods = []
@@ -465,10 +469,11 @@ def test_a_service_added_or_removed_reaches_the_running_proxy(proxy, routed, svc
             cm = svc.core.read_namespaced_config_map(LITELLM_CM, svc.ns)
             digest = entries.config_hash({"data": cm.data or {}})
             pod = litellm_pod(svc, digest)
-            if pod is not None and proxy_models(pod) == want:
-                return pod, digest
-            return NotYet(proxy_rollout(svc, digest, cm))
-        pod, digest = wait_for(rolled, timeout=300, what=f"a LiteLLM pod that lists {sorted(want)}")
+            return (pod, digest) if pod is not None and proxy_models(pod) == want else None
+        try:
+            pod, digest = wait_for(rolled, timeout=300, what=f"a LiteLLM pod that lists {sorted(want)}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; at the end: {proxy_rollout(svc)}") from None
         from kubernetes import client
 
         dep = client.AppsV1Api(svc.core.api_client).read_namespaced_deployment("litellm", svc.ns)

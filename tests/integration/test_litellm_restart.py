@@ -82,7 +82,8 @@ def entries(kube):
                                        "spec": {"containers": [{"name": "litellm", "image": "litellm:1"}]}}}}],
                namespace=NS)
     for service in ("a", "b", "c"):
-        litellm.restart_consumers(k, add_entry(k, service))
+        add_entry(k, service)
+        litellm.restart_consumers(k, NS, CM)
     assert proxy_hash(k) == litellm.config_hash(k.get("v1", "ConfigMap", NS, CM))
     return k
 
@@ -90,19 +91,22 @@ def entries(kube):
 def test_a_writer_holding_an_older_config_map_does_not_leave_its_hash_on_the_proxy(entries):
     k = entries
     stale = drop_entry(k, "c")  # the racing writer's view: c's entry gone, the index not yet rewritten
-    litellm.restart_consumers(k, litellm.sync_index(k, stale) or stale)  # the removal, whole
-    litellm.restart_consumers(k, stale)  # the racing writer restarts last, with the version it holds
+    litellm.sync_index(k, stale)
+    litellm.restart_consumers(k, NS, CM)  # the removal, whole
+    litellm.restart_consumers(k, NS, CM)  # the racing writer restarts last
     assert included(k) == ["embedops-a.yaml", "embedops-b.yaml"]
     assert proxy_hash(k) == litellm.config_hash(k.get("v1", "ConfigMap", NS, CM))
 
 
 def test_a_change_landing_between_a_writers_read_and_its_restart_is_rolled_out_last(entries):
     k = entries
-    stale = drop_entry(k, "b")
+    drop_entry(k, "b")
     # this writer reads the ConfigMap (the entry gone, the index stale); the other completes the removal (the
     # index, then its restart) before this writer's Deployment write lands
-    other = lambda: litellm.restart_consumers(k, litellm.sync_index(k, k.get("v1", "ConfigMap", NS, CM)))  # noqa: E731
-    written = litellm.restart_consumers(WritesBetween(k, other), stale)
+    def other():
+        litellm.sync_index(k, k.get("v1", "ConfigMap", NS, CM))
+        litellm.restart_consumers(k, NS, CM)
+    written = litellm.restart_consumers(WritesBetween(k, other), NS, CM)
     assert included(k) == ["embedops-a.yaml", "embedops-c.yaml"]
     assert proxy_hash(k) == litellm.config_hash(k.get("v1", "ConfigMap", NS, CM))
     assert written == [f"Deployment/{PROXY}"]
