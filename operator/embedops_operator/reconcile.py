@@ -111,7 +111,10 @@ class Reconciler:
                         # before the Service's selector moves: a track that stops serving is marked first, so a
                         # failure between the two never leaves a served space looking like an abandoned candidate
                         marked = self._record_tracks(intent, plan)
+                        self._announce(intent, plan)
                         applied = apply.apply_all(self.kube, manifests, name)
+                        if plan.serving.live is None:  # a new service's first track: recorded once it exists
+                            marked += self._record_tracks(intent, plan)
                         written = marked + applied.written
                         observed.conflicts = [c.message() for c in applied.conflicts]
                         if applied.conflicts:
@@ -167,9 +170,15 @@ class Reconciler:
             if plan is not None and intent.task in spaces.MIGRATING_TASKS:
                 observed.spaces = self._space_status(intent, plan, by_track)
                 observed.space_waiting = plan.waiting
+                if plan.spec is not plan.serving:
+                    observed.candidate_pods = by_track.get(plan.spec.name, [])
             written = self.write_status(resource, observed, options, intent)
+            if written and written.get("lastFailure") and written["lastFailure"] != (resource.get("status") or {}).get(
+                    "lastFailure"):  # the status remembers what was said: one Event per failure
+                self.kube.event(resource, "Warning", "ContainerRestarted", written["lastFailure"])
             self._release_upgrade((namespace, name), written or resource.get("status") or {})
-            wait = status.stall_check_in(observed.pods, dt.datetime.now(dt.timezone.utc), self.settings.stall_after_seconds)
+            wait = status.stall_check_in(observed.pods + observed.candidate_pods, dt.datetime.now(dt.timezone.utc),
+                                         self.settings.stall_after_seconds)
             if wait is not None:
                 self._recheck((namespace, name), wait + RECHECK_MARGIN)
             return written
@@ -208,14 +217,17 @@ class Reconciler:
                 if (apply.controller_of(d) or {}).get("uid") == uid]
         model_service = render.backend_name(name) if intent.scales_to_zero else name
         svc = self.kube.get("v1", "Service", ns, model_service)
-        serving = None
-        if svc is not None and (apply.controller_of(svc) or {}).get("uid") == uid:
-            serving = ((svc.get("spec") or {}).get("selector") or {}).get(render.LABEL_INSTANCE)
-        served = frozenset(x.get("key") for x in intent.status.get("spaces") or []
-                           if x.get("serving") and x.get("since"))
+        address = None  # what the address selects now: output, read to say what was repaired (and by an upgrade)
+        foreign = svc is not None and (apply.controller_of(svc) or {}).get("uid") != uid  # a conflict says so
+        if svc is not None and not foreign:
+            address = ((svc.get("spec") or {}).get("selector") or {}).get(render.LABEL_INSTANCE)
+        before = intent.status.get("spaces") or []
+        served = frozenset(x.get("key") for x in before if x.get("serving") and x.get("since"))
+        status_serving = next((x.get("key") for x in before if x.get("serving")), None)
         job = self._reindex_job(intent, spaces.key_of(decl)) if spec.migration.reindex else None
-        return spaces.plan(name, intent.task, decl, live, serving, spec.migration,
-                           reindex_state(job), dt.datetime.now(dt.timezone.utc), served)
+        return spaces.plan(name, intent.task, decl, live, address, spec.migration,
+                           reindex_state(job), dt.datetime.now(dt.timezone.utc), served, status_serving,
+                           foreign_address=foreign)
 
     def _reindex_job(self, intent: Intent, key: str) -> dict | None:
         """The space's reindex Job: the one of the current template, else the newest (whose environment a new one
@@ -260,27 +272,46 @@ class Reconciler:
                 ("EMBEDOPS_SPACE_URL", url(plan.spec.key)))
 
     def _record_tracks(self, intent: Intent, plan: spaces.Plan) -> list[str]:
-        """When a track stopped serving (an annotation on its Deployment under its own field manager: nothing rolls;
-        a track that serves again after a rollback loses it), and the plan's events."""
+        """The record of which track serves, on the tracks' Deployments (annotations under their own field manager:
+        nothing rolls), written before the Service's selector moves: the serving track's epoch (one more than any
+        before it when it starts serving) and since when, with no retirement; a track that stops serving keeps its
+        epoch and gets its retirement time. The serving track first: an operator killed between two of these writes
+        leaves the new serving track the highest epoch, and the next reconcile retires the other. Then the plan's
+        events."""
         now = status.format_time(dt.datetime.now(dt.timezone.utc))
         ns = intent.namespace
         written = []
-        marks = [(plan.serving, None)] + [(t, now) for t in plan.previous]
-        for track, retired in marks:
+        for track in [plan.serving] + plan.previous:
             live = self.kube.get("apps/v1", "Deployment", ns, track.name)
-            has = ((live or {}).get("metadata") or {}).get("annotations") or {}
-            if live is None or (spaces.ANNOTATION_RETIRED in has) == (retired is not None):
+            if live is None or (apply.controller_of(live) or {}).get("uid") != intent.uid:
+                continue  # not created yet (recorded once it is), or not ours
+            has = (live.get("metadata") or {}).get("annotations") or {}
+            marks = {k: has[k] for k in (spaces.ANNOTATION_SERVING_EPOCH, spaces.ANNOTATION_SERVING_SINCE,
+                                         spaces.ANNOTATION_RETIRED) if k in has}
+            if track is plan.serving:
+                if marks.get(spaces.ANNOTATION_SERVING_EPOCH) != str(plan.epoch) or \
+                        spaces.ANNOTATION_SERVING_SINCE not in marks:
+                    marks[spaces.ANNOTATION_SERVING_EPOCH] = str(plan.epoch)
+                    marks[spaces.ANNOTATION_SERVING_SINCE] = now
+                marks.pop(spaces.ANNOTATION_RETIRED, None)
+            else:
+                marks.setdefault(spaces.ANNOTATION_RETIRED, now)
+            if all(has.get(k) == v for k, v in marks.items()) and all(
+                    (k in marks) == (k in has) for k in (spaces.ANNOTATION_SERVING_EPOCH, spaces.ANNOTATION_RETIRED)):
                 continue
-            meta: dict = {"name": track.name, "namespace": ns}
-            if retired is not None:
-                meta["annotations"] = {spaces.ANNOTATION_RETIRED: retired}
-            # an intent without the annotation removes it: this manager owns nothing else
+            # the intent names every mark this manager keeps on the Deployment: one it leaves out is removed
+            meta = {"name": track.name, "namespace": ns, "annotations": marks}
             self.kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta}, manager=SPACES_MANAGER)
-            written.append(f"Deployment/{track.name} ({'retired' if retired else 'serving again'})")
+            what = "serving again" if track is plan.serving and spaces.ANNOTATION_RETIRED in has else \
+                "serving" if track is plan.serving else "retired"
+            written.append(f"Deployment/{track.name} ({what}, epoch {marks.get(spaces.ANNOTATION_SERVING_EPOCH)})")
+        return written
+
+    def _announce(self, intent: Intent, plan: spaces.Plan) -> None:
         for kind, reason, message in plan.events:
             self.kube.event(intent.resource, kind, reason, message)
-            log.info("%s/%s: %s: %s", ns, intent.name, reason, message)
-        return written
+            (log.warning if kind == "Warning" else log.info)("%s/%s: %s: %s", intent.namespace, intent.name,
+                                                             reason, message)
 
     def _space_status(self, intent: Intent, plan: spaces.Plan, pods: dict[str, list[dict]]) -> list[dict]:
         spec, options = intent.spec, intent.options

@@ -1,4 +1,5 @@
-"""Vectors are state: a change of the embedding space never rolls in place (issue 36).
+"""Vectors are state: a change of the embedding space never rolls in place (issue 36), and no fault moves the
+address to a space that was not promoted (issue 52).
 
 A *track* is one Deployment of the model server and the space its pods serve; its name is also its pods'
 `app.kubernetes.io/instance` label, so each track's pods are selected apart. A service starts with one track named
@@ -8,8 +9,14 @@ serves; the service's address (its Service's selector) moves to it only at promo
 track keeps running for `migration.keepPreviousSeconds` so that switching back is a rollback. Changes that keep the
 space (replicas, batching, resources, the image) roll the spec's track in place as before.
 
-`plan()` is pure: from the spec's track, the live tracks, which one the address serves now, the policy and the
-reindex Job's state, it says which track serves, which are kept, which go, and what happened (events).
+Which track serves is recorded on the tracks' Deployments, not read back from the Service: a track that is made the
+address's gets `embedops.dev/serving-epoch` (one more than any track's before) before the Service is written, and
+the highest epoch serves. A Service deleted, recreated or edited by someone else is only output: the next reconcile
+writes it from the record. A track that ever served keeps its epoch, so it is never mistaken for an abandoned
+candidate and goes only `keepPreviousSeconds` after its retirement.
+
+`plan()` is pure: from the spec's track, the live tracks and their records, the policy and the reindex Job's state,
+it says which track serves, which are kept, which go, and what happened (events).
 """
 from __future__ import annotations
 
@@ -24,6 +31,13 @@ SPACE_FLAGS = ("--model-id", "--revision", "--pooling", "--default-prompt-name",
 MIGRATING_TASKS = ("embed", "sparse")  # rerankers and classifiers store nothing: they roll in place
 ANNOTATION_SPACE = "embedops.dev/space"  # on a track's Deployment: its key (what status and promote name)
 ANNOTATION_RETIRED = "embedops.dev/retired-at"  # on a track's Deployment: when it stopped serving
+# on a track's Deployment, once it has served: the how-many-th track to serve the address it was (the highest serves)
+# and since when. Written under their own field manager before the Service's selector moves, kept after retirement.
+ANNOTATION_SERVING_EPOCH = "embedops.dev/serving-epoch"
+ANNOTATION_SERVING_SINCE = "embedops.dev/serving-since"
+# where plan() read which track serves (Plan.record)
+RECORDED, FROM_SERVICE, FROM_STATUS, ONLY_TRACK, NEW, UNKNOWN = (
+    "recorded", "service", "status", "only-track", "new", "unknown")
 
 
 def declaration(deployment: dict) -> dict:
@@ -80,6 +94,19 @@ class Track:
         return (((self.live or {}).get("metadata") or {}).get("annotations") or {}).get(key)
 
     @property
+    def epoch(self) -> int | None:
+        """Its serving epoch (None: it never served, or it served under an operator that kept no record)."""
+        try:
+            return int(self.annotation(ANNOTATION_SERVING_EPOCH) or "")
+        except ValueError:
+            return None
+
+    @property
+    def has_served(self) -> bool:
+        """Recorded as having served the address: an epoch, or a retirement (older operators marked only that)."""
+        return self.epoch is not None or self.annotation(ANNOTATION_RETIRED) is not None
+
+    @property
     def ready(self) -> tuple[int, int]:
         """(available, desired) replicas of its live Deployment."""
         if self.live is None:
@@ -104,6 +131,9 @@ class Plan:
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     waiting: str | None = None  # why the spec's track does not serve yet
     migrating: bool = False  # more than one track runs: each gets its own Service
+    record: str = RECORDED  # where the serving track was read from (RECORDED, FROM_SERVICE, ..., UNKNOWN)
+    epoch: int = 1  # the serving track's epoch once the reconcile has written its marks
+
 
     @property
     def tracks(self) -> list[Track]:
@@ -111,28 +141,46 @@ class Plan:
         return out + [t for t in self.previous if t is not self.serving and t is not self.spec]
 
 
-def plan(service: str, task: str, spec_decl: dict, live: list[dict], serving_name: str | None,
-         migration, reindex_state: str | None, now: dt.datetime, served: frozenset[str] = frozenset()) -> Plan:
-    """Which track serves. `live`: the service's live model Deployments (any operator version's); `serving_name`:
-    the instance its Service's selector names now (None: no Service yet); `migration`: spec.Migration;
+def plan(service: str, task: str, spec_decl: dict, live: list[dict], address: str | None,
+         migration, reindex_state: str | None, now: dt.datetime, served: frozenset[str] = frozenset(),
+         status_serving: str | None = None, foreign_address: bool = False) -> Plan:
+    """Which track serves. `live`: the service's live model Deployments (any operator version's); `address`: the
+    instance its Service's selector names now (None: no Service of its own); `migration`: spec.Migration;
     `reindex_state`: None, "running", "succeeded" or "failed: <why>" for the spec track's reindex Job; `served`:
-    the keys of spaces that have answered at the service's address (the status remembers)."""
+    the keys of spaces that have answered at the service's address (the status remembers); `status_serving`: the key
+    the status last said serves (read only where no Deployment carries a record); `foreign_address`: an object the
+    operator did not create holds the Service's name (reported as a conflict, not repaired)."""
     spec_key = key_of(spec_decl)
     tracks = [Track(d["metadata"]["name"], key_of(declaration(d)), declaration(d), d) for d in live]
     by_name = {t.name: t for t in tracks}
-    serving = by_name.get(serving_name or "")
+    serving, record = serving_track(tracks, address, status_serving)
     if task not in MIGRATING_TASKS or not tracks:
         # in place: the serving track (or the service's own name) takes the spec, whatever its space
-        name = serving.name if serving else (service if service in by_name or not tracks else tracks[0].name)
-        own = Track(name, spec_key, spec_decl, by_name.get(name))
-        return Plan(own, own, remove=[t for t in tracks if t.name != name])
+        name = serving.name if serving else service
+        own = Track(name, spec_key, spec_decl, by_name[name].live if name in by_name else None)
+        highest = max([t.epoch or 0 for t in tracks] or [0])
+        return Plan(own, own, remove=[t for t in tracks if t.name != name], record=record,
+                    epoch=own.epoch if own.epoch is not None and own.epoch == highest else highest + 1)
     mine = next((t for t in tracks if t.key == spec_key), None)
     spec = mine or Track(track_name(service, spec_key), spec_key, spec_decl)
     if spec.name in by_name and by_name[spec.name] is not mine:  # the name is held by another space's Deployment
         spec = Track(track_name(service, spec_key), spec_key, spec_decl)
-    if serving is None:  # no Service yet, or it selects none of them: the spec's track (if it runs), else the oldest
-        serving = mine if mine is not None else sorted(tracks, key=_created)[0]
-    out = Plan(spec, serving)
+    assert serving is not None  # tracks is not empty
+    out = Plan(spec, serving, record=record)
+    if record == RECORDED and address != serving.name and not foreign_address:
+        # the address is output: whoever deleted or edited the Service, it is written back from the record
+        what = f"selected {address}" if address else "was missing"
+        out.events.append(("Warning", "AddressRepaired",
+                           f"the service's Service {what}; it selects space {serving.key} ({describe(serving.decl)}, "
+                           f"track {serving.name}) again, the space that serves since "
+                           f"{serving.annotation(ANNOTATION_SERVING_SINCE) or 'its promotion'}"))
+    elif record == UNKNOWN:
+        held = ", ".join(f"{t.key} ({t.name})" for t in tracks if t is not serving)
+        out.events.append(("Warning", "ServingUnknown",
+                           f"no record says which space serves (no track carries {ANNOTATION_SERVING_EPOCH}, the "
+                           f"Service selects none of them, the status names none): space {serving.key} "
+                           f"({serving.name}, the oldest) serves; {held} are kept as previous spaces for "
+                           f"migration.keepPreviousSeconds; name the right one in spec.migration.promote"))
     target, why = _promotion(out, migration, reindex_state, tracks, served)
     if target is not None and target is not serving:
         out.events.append(("Normal", "Promoted" if target is spec else "RolledBack",
@@ -140,25 +188,52 @@ def plan(service: str, task: str, spec_decl: dict, live: list[dict], serving_nam
                            f"space {serving.key} stops serving"))
         out.serving = target
     out.waiting = why if out.serving is not spec else None
+    highest = max([t.epoch or 0 for t in tracks] or [0])
+    current = out.serving.epoch
+    out.epoch = current if current is not None and current == highest and \
+        sum(1 for t in tracks if t.epoch == current) == 1 else highest + 1
     keep = timedelta(migration)
     for t in tracks:
         if t is out.serving or t is spec:
             continue
         retired = _time(t.annotation(ANNOTATION_RETIRED))
-        if t is serving:  # it stopped serving in this reconcile
-            out.previous.append(t)
-        elif retired is None:
+        if t is serving or t.has_served or record == UNKNOWN:
+            # it serves no more (now, or before a crash let it be marked): kept for a rollback, retired if not yet;
+            # with no record of what served, every other track is kept the same way rather than guessed abandoned
+            if retired is not None and now - retired >= keep:
+                out.remove.append(t)
+                out.events.append(("Normal", "PreviousRemoved", f"space {t.key} ({describe(t.decl)}) removed "
+                                                                  f"{int(keep.total_seconds())} s after it stopped "
+                                                                  "serving"))
+            else:
+                out.previous.append(t)
+        else:
             out.remove.append(t)  # a candidate that never served: abandoned (the spec moved on)
             out.events.append(("Normal", "CandidateRemoved", f"space {t.key} ({describe(t.decl)}) never served and "
                                                                "the spec no longer asks for it"))
-        elif retired is not None and now - retired >= keep:
-            out.remove.append(t)
-            out.events.append(("Normal", "PreviousRemoved", f"space {t.key} ({describe(t.decl)}) removed "
-                                                              f"{int(keep.total_seconds())} s after it stopped serving"))
-        else:
-            out.previous.append(t)
     out.migrating = len(out.tracks) > 1
     return out
+
+
+def serving_track(tracks: list[Track], address: str | None, status_serving: str | None) -> tuple[Track | None, str]:
+    """The track the address serves and where that was read. The record on the Deployments decides; the Service's
+    selector, then the status, only for tracks written before records existed (an operator upgrade), and never
+    when a Deployment carries a record; a lone track serves; several without any record: the oldest, said so."""
+    marked = [t for t in tracks if t.epoch is not None]
+    if marked:
+        return max(marked, key=lambda t: (t.epoch, t.annotation(ANNOTATION_SERVING_SINCE) or "", t.name)), RECORDED
+    if not tracks:
+        return None, NEW
+    by_name = {t.name: t for t in tracks}
+    if address in by_name:
+        return by_name[address], FROM_SERVICE
+    from_status = next((t for t in tracks if status_serving and t.key == status_serving), None)
+    if from_status is not None:
+        return from_status, FROM_STATUS
+    unretired = [t for t in tracks if t.annotation(ANNOTATION_RETIRED) is None]
+    if len(tracks) == 1 or len(unretired) == 1 and all(t.has_served for t in tracks if t not in unretired):
+        return (unretired or tracks)[0], ONLY_TRACK
+    return sorted(unretired or tracks, key=_created)[0], UNKNOWN
 
 
 def timedelta(migration) -> dt.timedelta:

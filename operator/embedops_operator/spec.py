@@ -544,6 +544,9 @@ class EmbeddingServiceStatus(Model):
     spaces: list[SpaceStatus] | None = Field(None, description=(
         "The embedding spaces this service runs: the one serving its address and, during a migration, the "
         "spec's new one and the previous one kept for rollback."))
+    last_failure: str | None = Field(None, description=(
+        "The latest failure of a container that runs again (an OOM kill, a crash): what ended, when, how many "
+        "restarts. Reported here and as an Event; only a failure that lasts makes the service Stalled."))
     pod_templates: list[PodTemplateStatus] | None = Field(None, description=(
         "Deployments whose pods keep an older template revision or image of the operator's across its upgrades "
         "(absent when all run the latest)."))

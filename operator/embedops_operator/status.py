@@ -43,6 +43,7 @@ class Observed:
     # the embedding spaces that run (spaces.plan, as status.spaces entries) and why the spec's does not serve yet
     spaces: list[dict] = field(default_factory=list)
     space_waiting: str | None = None
+    candidate_pods: list[dict] = field(default_factory=list)  # the pods of the spec's space while it is not promoted
 
 
 def _parse_time(value: str | None) -> dt.datetime | None:
@@ -120,7 +121,10 @@ def _pod_problem(pods: list[dict], now: dt.datetime, stall_after: float,
             detail = f"container {cs.get('name')} of pod {pod['metadata']['name']}: {why}"
             if waiting.get("message"):
                 detail += f": {waiting['message']}"
-            ended = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated") or {}
+            # health is now: a container that ended (or waits to be restarted after ending) is failing; one that
+            # runs again after an OOM kill is not (recovered() reports it), or one kill would hold the service down
+            ended = (cs.get("state") or {}).get("terminated") or (
+                (cs.get("lastState") or {}).get("terminated") if why == "CrashLoopBackOff" else None) or {}
             if ended.get("reason") == "OOMKilled":
                 return "OOMKilled", (f"container {cs.get('name')} of pod {pod['metadata']['name']} was killed for "
                                      f"memory (OOMKilled, {cs.get('restartCount', 0)} restarts)"
@@ -133,6 +137,27 @@ def _pod_problem(pods: list[dict], now: dt.datetime, stall_after: float,
             if why in CONFIG_ERRORS:
                 return "ConfigError", detail
     return None
+
+
+def recovered(pods: list[dict]) -> str | None:
+    """The latest failure of a container that runs again (OOMKilled, Error, ...): reported, never a stall. The kubelet
+    keeps only a container's last termination, so this is the newest of those over the service's current pods."""
+    latest: tuple[str, str] | None = None
+    for pod in pods:
+        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        st = pod.get("status") or {}
+        for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+            last = (cs.get("lastState") or {}).get("terminated") or {}
+            if not (cs.get("state") or {}).get("running") or not last or last.get("reason") == "Completed":
+                continue
+            at = last.get("finishedAt") or ""
+            what = (f"container {cs.get('name')} of pod {pod['metadata']['name']} ended {last.get('reason', 'Error')} "
+                    f"(exit {last.get('exitCode', '?')}) at {at or 'an unknown time'} and runs again "
+                    f"({cs.get('restartCount', 0)} restarts)")
+            if latest is None or at > latest[0]:
+                latest = (at, what)
+    return latest[1] if latest else None
 
 
 def _condition(old: dict[str, dict], ctype: str, status: str, reason: str, message: str,
@@ -223,6 +248,13 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
             else:
                 stalled = problem
 
+    candidate_blocked: tuple[str, str] | None = None
+    if candidate is not None and not _up(candidate["ready"]):
+        problem = _pod_problem(observed.candidate_pods, now, stall_after, memory)
+        if problem is not None:
+            serving_key = serving_space["key"] if serving_space else "the previous one"
+            candidate_blocked = (problem[0], f"the new space {candidate['key']} cannot start ({candidate['ready']} "
+                                             f"replicas available): {problem[1]}; space {serving_key} keeps serving")
     rolled_out = (
         dep is not None
         and dstat.get("observedGeneration", -1) >= (dep.get("metadata") or {}).get("generation", 0)
@@ -239,6 +271,12 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
         cond("Ready", "False", "ApplyFailed", observed.apply_error)
         cond("Reconciling", "True", "ApplyFailed", observed.apply_error)
         cond("Stalled", "False", "ApplyFailed", "")
+    elif rolled_out and candidate_blocked is not None:
+        # the address serves; the spec's new space cannot come up (a pod unschedulable, crash-looping, ...): a
+        # migration that cannot finish is a failure kstatus and Flux must see, not progress to wait on forever
+        cond("Ready", "True", "Available", f"{ready}/{desired} replicas ready")
+        cond("Reconciling", "False", candidate_blocked[0], "")
+        cond("Stalled", "True", candidate_blocked[0], candidate_blocked[1])
     elif rolled_out and candidate is not None and not _up(candidate["ready"]):
         # the address serves; the spec's new space is still starting beside it
         msg = f"{ready}/{desired} replicas ready; {observed.space_waiting or 'a new embedding space is starting'}"
@@ -278,10 +316,11 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
             cond("Promoted", "True", "Serving", f"space {serving_space['key']} serves the service's address"
                  if serving_space else "")
         else:
-            reason = ("Starting" if not _up(candidate["ready"]) else "ReindexFailed" if "failed" in (
+            reason = (candidate_blocked[0] if candidate_blocked else "Starting" if not _up(candidate["ready"])
+                      else "ReindexFailed" if "failed" in (
                 observed.space_waiting or "") else "Reindexing" if "reindex" in (observed.space_waiting or "")
                       else "AwaitingPromotion")
-            cond("Promoted", "False", reason, observed.space_waiting or "")
+            cond("Promoted", "False", reason, candidate_blocked[1] if candidate_blocked else observed.space_waiting or "")
     if spec is not None:
         features = {"monitoring": spec.monitoring.service_monitor.enabled, "routes": spec.gateway is not None,
                     "autoscaling": spec.autoscaling is not None}
@@ -302,6 +341,9 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
             else:
                 cond(ctype, "True", "Applied", "")
 
+    note = recovered(observed.pods + observed.candidate_pods)
+    if note:
+        status["lastFailure"] = note
     if observed.pod_templates:
         status["podTemplates"] = [{"deployment": which, "revision": pin.revision, "image": pin.image,
                                    "pending": note} for which, (pin, note) in sorted(observed.pod_templates.items())]

@@ -266,3 +266,21 @@ def test_the_estimate_counts_the_tokenizers_the_server_holds_and_int8s_loading_p
     assert ST.compute(defaulted(es(seed)), kept, R.Options(), now=NOW)["memory"]["limit"] == "2304Mi"
     assert ST.compute(defaulted(es(seed)), ST.Observed(deployment=deployment()), R.Options(),
                       now=NOW)["memory"]["limit"] == "2Gi"
+
+
+def test_an_oom_kill_the_container_recovered_from_is_reported_not_stalled():
+    """Health is now (issue 52): a running, ready container whose last termination was an OOM kill made the service
+    Stalled until it died again, and under podUpgrades: Roll its upgrade slot was never freed."""
+    server = {"name": "server", "restartCount": 1, "state": {"running": {"startedAt": "2026-01-01T11:40:00Z"}},
+              "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137,
+                                           "finishedAt": "2026-01-01T11:39:58Z"}}}
+    res = defaulted(es(INGEST))
+    obs = ST.Observed(deployment=deployment(replicas=1, ready=1, updated=1), pods=[_pod("p", server=server)])
+    st = ST.compute(res, obs, R.Options(), now=NOW)
+    assert conds(st)["Ready"] == ("True", "Available") and conds(st)["Stalled"][0] == "False"
+    assert st["lastFailure"] == ("container server of pod p ended OOMKilled (exit 137) at 2026-01-01T11:39:58Z and "
+                                 "runs again (1 restarts)")
+    # the same container dead now: stalled, as before
+    server["state"] = {"terminated": {"reason": "OOMKilled", "exitCode": 137}}
+    obs.pods = [_pod("p", ready=False, server=server)]
+    assert conds(ST.compute(res, obs, R.Options(), now=NOW))["Stalled"] == ("True", "OOMKilled")

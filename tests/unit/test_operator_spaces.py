@@ -289,3 +289,101 @@ def test_litellm_names_each_space_during_a_migration(kube):
     assert got == {"minilm": "http://svc.ml.svc.cluster.local/v1",
                    f"minilm@{old_key}": f"http://svc-{old_key}.ml.svc.cluster.local/v1",
                    f"minilm@{new_key}": f"http://svc-{new_key}.ml.svc.cluster.local/v1"}
+
+
+# ------------------------------------------------------------------ faults (issue 52): the record decides, not the Service
+def _awaiting_promotion(kube):
+    """A service of three replicas with a new space ready beside it, not promoted (Manual)."""
+    rec = start(kube)
+    change(kube, pooling="cls")
+    rec.reconcile("ml", "svc")
+    new = next(n for n in deployments(kube) if n != "svc")
+    ready(kube, new)
+    rec.reconcile("ml", "svc")
+    assert condition(kube, "Promoted")["reason"] == "AwaitingPromotion" and serving(kube) == "svc"
+    return rec, new
+
+
+def _marks(kube, track):
+    a = kube.objects[(*DEP, track)]["metadata"].get("annotations") or {}
+    return {k: a[k] for k in (S.ANNOTATION_SERVING_EPOCH, S.ANNOTATION_RETIRED) if k in a}
+
+
+def test_the_serving_track_is_recorded_on_its_deployment(kube):
+    rec, new = _awaiting_promotion(kube)
+    assert _marks(kube, "svc") == {S.ANNOTATION_SERVING_EPOCH: "1"} and _marks(kube, new) == {}
+    assert kube.objects[(*DEP, "svc")]["metadata"]["annotations"][S.ANNOTATION_SERVING_SINCE]
+    spec = kube.get(*ES, "svc")["spec"]
+    spec["migration"]["promote"] = new.rsplit("-", 1)[1]
+    kube.update_spec("svc", "ml", spec)
+    before = len(kube.log)
+    rec.reconcile("ml", "svc")
+    assert _marks(kube, new) == {S.ANNOTATION_SERVING_EPOCH: "2"}
+    assert _marks(kube, "svc")[S.ANNOTATION_SERVING_EPOCH] == "1" and S.ANNOTATION_RETIRED in _marks(kube, "svc")
+    # the record is written before the Service's selector moves
+    writes = [x for x in kube.log[before:] if x.startswith("apply")]
+    assert writes.index(f"apply Deployment/{new} by embedops-spaces") < writes.index("apply Service/svc by embedops")
+
+
+def test_a_deleted_service_comes_back_on_the_space_that_serves_and_nothing_that_served_is_removed(kube):
+    """The fault of issue 52: the Service deleted while a candidate waits for its promotion. Before, the Service was
+    recreated selecting the unpromoted candidate, and the Deployment that served was deleted as 'never served'."""
+    rec, new = _awaiting_promotion(kube)
+    del kube.objects[(*SVC, "svc")]
+    rec.reconcile("ml", "svc")
+    assert serving(kube) == "svc" and deployments(kube) == ["svc", new]
+    assert [e[2] for e in kube.events] == ["AddressRepaired"]
+    assert "was missing" in kube.events[-1][3] and kube.events[-1][1] == "Warning"
+    assert condition(kube, "Promoted")["reason"] == "AwaitingPromotion"
+    assert spaces(kube)["serving"]["deployment"] == "svc" and spaces(kube)["candidate"]["deployment"] == new
+
+
+def test_a_service_edited_to_select_the_candidate_is_written_back(kube):
+    rec, new = _awaiting_promotion(kube)
+    kube.objects[(*SVC, "svc")]["spec"]["selector"][R.LABEL_INSTANCE] = new  # someone else's edit
+    rec.reconcile("ml", "svc")
+    assert serving(kube) == "svc" and deployments(kube) == ["svc", new]
+    assert [e[2] for e in kube.events] == ["AddressRepaired"] and f"selected {new}" in kube.events[-1][3]
+    assert _marks(kube, new) == {}  # never promoted by it
+
+
+def test_a_crash_between_the_promotions_two_marks_converges_on_the_promoted_space(kube):
+    """The operator died after recording the new serving track and before retiring the old one (and before the
+    Service moved): the next reconcile serves the promoted track and keeps the old one as the previous space."""
+    rec, new = _awaiting_promotion(kube)
+    kube.objects[(*DEP, new)]["metadata"].setdefault("annotations", {}).update(
+        {S.ANNOTATION_SERVING_EPOCH: "2", S.ANNOTATION_SERVING_SINCE: "2026-12-07T06:00:00Z"})
+    spec = kube.get(*ES, "svc")["spec"]
+    spec["migration"]["promote"] = new.rsplit("-", 1)[1]
+    kube.update_spec("svc", "ml", spec)
+    rec.reconcile("ml", "svc")
+    assert serving(kube) == new and deployments(kube) == ["svc", new]
+    assert S.ANNOTATION_RETIRED in _marks(kube, "svc") and spaces(kube)["previous"]["deployment"] == "svc"
+    # the same crash, then the promotion taken back before the operator came back: the old space serves again
+    kube2 = FakeKube()
+    rec, new = _awaiting_promotion(kube2)
+    kube2.objects[(*DEP, new)]["metadata"].setdefault("annotations", {}).update({S.ANNOTATION_SERVING_EPOCH: "2"})
+    rec.reconcile("ml", "svc")  # promote still names nothing: the record says the new one serves
+    assert serving(kube2) == new and S.ANNOTATION_RETIRED in _marks(kube2, "svc")
+
+
+def test_tracks_of_an_older_operator_are_read_from_the_service_then_the_status_and_never_guessed_away(kube):
+    rec, new = _awaiting_promotion(kube)
+    for track in ("svc", new):  # as an operator before records left them
+        for k in (S.ANNOTATION_SERVING_EPOCH, S.ANNOTATION_SERVING_SINCE):
+            kube.objects[(*DEP, track)]["metadata"]["annotations"].pop(k, None)
+    rec.reconcile("ml", "svc")  # the Service's selector: recorded now
+    assert _marks(kube, "svc") == {S.ANNOTATION_SERVING_EPOCH: "1"} and kube.events == []
+    kube.objects[(*DEP, "svc")]["metadata"]["annotations"].pop(S.ANNOTATION_SERVING_EPOCH)
+    del kube.objects[(*SVC, "svc")]
+    rec.reconcile("ml", "svc")  # no record, no Service: the status's serving space
+    assert serving(kube) == "svc" and deployments(kube) == ["svc", new]
+    # nothing at all says which serves: the oldest serves, the other is kept (retired, not removed), said so
+    kube.objects[(*DEP, "svc")]["metadata"]["annotations"].pop(S.ANNOTATION_SERVING_EPOCH)
+    kube.objects[(*DEP, "svc")]["metadata"]["creationTimestamp"] = "2026-12-01T00:00:00Z"
+    kube.objects[(*DEP, new)]["metadata"]["creationTimestamp"] = "2026-12-02T00:00:00Z"
+    del kube.objects[(*SVC, "svc")]
+    kube.objects[(*ES, "svc")]["status"].pop("spaces")
+    rec.reconcile("ml", "svc")
+    assert serving(kube) == "svc" and deployments(kube) == ["svc", new]
+    assert "ServingUnknown" in [e[2] for e in kube.events] and spaces(kube)["candidate"]["deployment"] == new

@@ -281,3 +281,28 @@ def test_a_rollout_that_takes_a_replica_away_says_so():
     st = compute(MIG, ST.Observed(deployment=dep))
     msg = {c["type"]: c for c in st["conditions"]}["Reconciling"]["message"]
     assert msg.startswith("0/1 replicas updated; maxSurge 0: each old replica stops before its replacement loads")
+
+
+def test_a_new_space_that_cannot_get_all_its_replicas_is_stalled_while_the_old_one_serves():
+    """Issue 52: the candidate got 2 of its 3 replicas (one Pending: Insufficient memory); the status said
+    Promoted=False Starting and Stalled=False for minutes, and Flux would wait forever."""
+    spec = copy.deepcopy(CPU)
+    spec["replicas"] = 3
+    msg = "0/4 nodes are available: 1 Insufficient memory, 3 node(s) didn't match Pod's node affinity"
+    spaces = [{"key": "aaaa1111", "deployment": "svc", "ready": "3/3", "serving": True, "role": "serving"},
+              {"key": "bbbb2222", "deployment": "svc-bbbb2222", "ready": "2/3", "serving": False, "role": "candidate"}]
+
+    def observed(waited):
+        since = (NOW - dt.timedelta(seconds=waited)).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return ST.Observed(deployment=deployment(replicas=3, ready=3, updated=3), spaces=spaces,
+                           space_waiting="the new space bbbb2222 is starting (2/3 replicas available)",
+                           candidate_pods=[pod("svc-bbbb2222-x", scheduled=(msg, since))])
+    s = compute(spec, observed(30), stall_after=60)
+    assert conds(s)["Stalled"][0] == "False" and conds(s)["Promoted"] == ("False", "Starting")
+    s = compute(spec, observed(61), stall_after=60)
+    assert conds(s)["Stalled"] == ("True", "Unschedulable") and conds(s)["Ready"] == ("True", "Available")
+    assert conds(s)["Promoted"] == ("False", "Unschedulable") and conds(s)["Reconciling"][0] == "False"
+    said = next(c for c in s["conditions"] if c["type"] == "Promoted")["message"]
+    assert "the new space bbbb2222 cannot start (2/3 replicas available)" in said and "Insufficient memory" in said
+    assert "space aaaa1111 keeps serving" in said
+    assert ST.stall_check_in(observed(30).candidate_pods, NOW, 60) == 30
