@@ -116,6 +116,8 @@ class Reconciler:
                         if plan.serving.live is None:  # a new service's first track: recorded once it exists
                             marked += self._record_tracks(intent, plan)
                         written = marked + applied.written
+                        if plan.next_removal is not None:  # no event marks the end of a previous space's keep
+                            self._reconcile_later((namespace, name), plan.next_removal + RECHECK_MARGIN)
                         observed.conflicts = [c.message() for c in applied.conflicts]
                         if applied.conflicts:
                             # no event comes when the user removes a foreign object (the caches hold only the
@@ -452,6 +454,19 @@ class Reconciler:
         """Reconcile `key` (status only) after `delay` s; one pending recheck per object, the earliest wins."""
         self.rechecks.call_later(key, delay, lambda: self._recheck_now(key), keep_earlier=True)
 
+    def _reconcile_later(self, key: tuple[str, str], delay: float) -> None:
+        """A full reconcile of `key` after `delay` s (a previous space's removal); the earliest pending one wins."""
+        def now() -> None:
+            if self.requeue is not None:
+                self.requeue(key)
+                return
+            try:
+                self.reconcile(*key)
+            except Exception as exc:  # noqa: BLE001 - the resync loop retries
+                if unavailable_reason(exc) is None:
+                    log.exception("reconcile of %s/%s failed", *key)
+        self.rechecks.call_later((*key, "reconcile"), delay, now, keep_earlier=True)
+
     def _recheck_now(self, key: tuple[str, str]) -> None:
         if self.requeue_status is not None:
             self.requeue_status(key)
@@ -517,3 +532,4 @@ class Reconciler:
             if self.requeue is not None:
                 self.requeue(other)
         self.rechecks.cancel(key)
+        self.rechecks.cancel((*key, "reconcile"))

@@ -133,6 +133,7 @@ class Plan:
     migrating: bool = False  # more than one track runs: each gets its own Service
     record: str = RECORDED  # where the serving track was read from (RECORDED, FROM_SERVICE, ..., UNKNOWN)
     epoch: int = 1  # the serving track's epoch once the reconcile has written its marks
+    next_removal: float | None = None  # seconds until a previous track's keepPreviousSeconds ends (it is removed)
 
 
     @property
@@ -207,6 +208,8 @@ def plan(service: str, task: str, spec_decl: dict, live: list[dict], address: st
                                                                   "serving"))
             else:
                 out.previous.append(t)
+                left = (keep - (now - (retired or now))).total_seconds()
+                out.next_removal = left if out.next_removal is None else min(out.next_removal, left)
         else:
             out.remove.append(t)  # a candidate that never served: abandoned (the spec moved on)
             out.events.append(("Normal", "CandidateRemoved", f"space {t.key} ({describe(t.decl)}) never served and "

@@ -320,7 +320,8 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
                       else "ReindexFailed" if "failed" in (
                 observed.space_waiting or "") else "Reindexing" if "reindex" in (observed.space_waiting or "")
                       else "AwaitingPromotion")
-            cond("Promoted", "False", reason, candidate_blocked[1] if candidate_blocked else observed.space_waiting or "")
+            said = candidate_blocked[1] if candidate_blocked else observed.space_waiting or ""
+            cond("Promoted", "False", reason, said)
     if spec is not None:
         features = {"monitoring": spec.monitoring.service_monitor.enabled, "routes": spec.gateway is not None,
                     "autoscaling": spec.autoscaling is not None}

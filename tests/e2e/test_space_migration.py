@@ -37,7 +37,8 @@ PROBE = r"""
 import json, os, socket, time, urllib.error, urllib.parse, urllib.request
 url, body, period = os.environ["URL"], os.environ["BODY"].encode(), float(os.environ["PERIOD"])
 u = urllib.parse.urlsplit(url)
-url = u._replace(netloc=f"{socket.gethostbyname(u.hostname)}:{u.port or 80}").geturl()
+resolve = lambda: u._replace(netloc=f"{socket.gethostbyname(u.hostname)}:{u.port or 80}").geturl()
+url = resolve()
 t0 = time.time()
 print("started", flush=True)
 while not os.path.exists("/tmp/stop") and time.time() - t0 < float(os.environ["MAX_SECONDS"]):
@@ -51,6 +52,10 @@ while not os.path.exists("/tmp/stop") and time.time() - t0 < float(os.environ["M
         print(json.dumps([round(t, 3), e.code, None, None]), flush=True)
     except Exception as e:
         print(json.dumps([round(t, 3), 0, type(e).__name__, None]), flush=True)
+        try:  # the Service deleted and recreated (a new ClusterIP): resolve its name again
+            url = resolve()
+        except OSError:
+            pass
     time.sleep(max(0.0, period - (time.time() - t)))
 """
 
@@ -89,6 +94,18 @@ def promote(svc, key: str) -> float:
     at = time.time()
     svc.co.patch_namespaced_custom_object(GROUP, VERSION, svc.ns, PLURAL, NAME, {"spec": {"migration": {"promote": key}}})
     return at
+
+
+def _selector(svc, ns: str) -> str | None:
+    """The instance the service's Service selects (None while it does not exist)."""
+    from kubernetes.client.rest import ApiException
+
+    try:
+        return (svc.core.read_namespaced_service(NAME, ns).spec.selector or {}).get("app.kubernetes.io/instance")
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
 
 
 def runs(answers: list) -> list[list]:
@@ -138,7 +155,18 @@ def test_a_model_change_never_mixes_two_spaces_behind_the_service_address(kube, 
     direct = run_client(svc.core, ns, "space-direct", real.server_image, cand["url"], [["/embed", {"inputs": [TEXT]}]],
                         real.node_selector)
     assert direct[0]["status"] == 200
-    time.sleep(2)
+    # issue 52's fault: the Service deleted while the new space waits for its promotion (before, it came back
+    # selecting the new space, and the Deployment that served was deleted). It comes back on the old space; the
+    # probes fail only until it is back and their names resolve to its new ClusterIP.
+    deleted = time.time()
+    svc.core.delete_namespaced_service(NAME, ns)
+    recreated = wait_for(lambda: _selector(svc, ns), timeout=60, what="the Service recreated")
+    assert recreated == NAME, recreated  # the serving space's track
+    back = time.time()
+    # the old ClusterIP's DNS answers expire (CoreDNS: TTL 5 s, cache 5 s) and a probe's connect to it times out
+    # (10 s): the probes answer again within 20 s
+    time.sleep(20)
+    assert svc.apps.read_namespaced_deployment(NAME, ns)  # the Deployment that serves was not deleted
     promoted = promote(svc, cand["key"])
     wait_for(lambda: spaces_of(svc).get("serving", {}).get("key") == cand["key"], timeout=60, what="promoted")
     time.sleep(5)
@@ -152,7 +180,8 @@ def test_a_model_change_never_mixes_two_spaces_behind_the_service_address(kube, 
         logs[name] = [json.loads(x) for x in svc.core.read_namespaced_pod_log(name, ns).splitlines() if x.startswith("[")]
         svc.core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
     answers = logs[probe]
-    failed = [a for a in answers if a[1] != 200]
+    fault = (deleted, back + 20)  # where a probe may fail: no Service, then a stale DNS answer
+    failed = [a for a in answers if a[1] != 200 and not fault[0] <= a[0] <= fault[1]]
     by_space = {}
     for _, status, space, v0 in answers:
         if status == 200:
@@ -164,7 +193,9 @@ def test_a_model_change_never_mixes_two_spaces_behind_the_service_address(kube, 
                "rolled_back_at_s": round(rolled_back - changed, 2),
                "promotion_to_first_new_s": round(r[1][1] - promoted, 2) if len(r) > 1 else None,
                "promotion_to_last_old_s": round(r[0][2] - promoted, 2),
-               "rollback_to_last_new_s": round(r[1][2] - rolled_back, 2) if len(r) > 1 else None}
+               "rollback_to_last_new_s": round(r[1][2] - rolled_back, 2) if len(r) > 1 else None,
+               "service_deleted_at_s": round(deleted - changed, 2), "service_back_after_s": round(back - deleted, 2),
+               "failed_while_deleted": sum(1 for a in answers if a[1] != 200 and fault[0] <= a[0] <= fault[1])}
     print(f"space migration through the service's ClusterIP: {json.dumps(summary)}")
     assert not failed, failed[:10]
     assert [s for s, *_ in r] == [old["fingerprint"], cand["fingerprint"], old["fingerprint"]], summary
@@ -178,13 +209,14 @@ def test_a_model_change_never_mixes_two_spaces_behind_the_service_address(kube, 
     # a request)
     kept = logs[pooled]
     kr = runs([a[:4] for a in kept])
-    pooled_summary = {"answers": len(kept), "failed": sum(1 for a in kept if a[1] != 200),
+    pooled_summary = {"answers": len(kept), "failed": sum(1 for a in kept if a[1] != 200 and
+                                                          not fault[0] <= a[0] <= fault[1]),
                       "connections": len({a[4] for a in kept if a[1] == 200}),
                       "runs": [[s, round(a - changed, 2), round(b - changed, 2), n] for s, a, b, n in kr],
                       "promotion_to_last_old_s": round(kr[0][2] - promoted, 2),
                       "rollback_to_last_new_s": round(kr[1][2] - rolled_back, 2) if len(kr) > 1 else None}
     print(f"the same on one kept-open connection (max age {MAX_CONNECTION_AGE} s): {json.dumps(pooled_summary)}")
-    assert pooled_summary["failed"] == 0, [a for a in kept if a[1] != 200][:10]
+    assert pooled_summary["failed"] == 0, [a for a in kept if a[1] != 200 and not fault[0] <= a[0] <= fault[1]][:10]
     assert [s for s, *_ in kr] == [old["fingerprint"], cand["fingerprint"], old["fingerprint"]], pooled_summary
     assert kr[0][2] - promoted <= MAX_CONNECTION_AGE + 1, pooled_summary
     assert kr[1][2] - rolled_back <= MAX_CONNECTION_AGE + 1, pooled_summary

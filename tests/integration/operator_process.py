@@ -29,7 +29,8 @@ CPU_SPEC = {"model": {"id": "/models/all-MiniLM-L6-v2", "maxInputLength": 256},
 class OperatorProcess:
     """`python -m embedops_operator.cli run ...` with its own log file; killed by PID (its own session)."""
 
-    def __init__(self, name: str, kubeconfig: str, log_dir: Path, args: list[str], env: dict | None = None):
+    def __init__(self, name: str, kubeconfig: str, log_dir: Path, args: list[str], env: dict | None = None,
+                 module: str = "embedops_operator.cli"):
         # the operator's defaults bind 0.0.0.0:8080 (liveness) and :8081 (metrics); `make test` runs these tests
         # beside the cluster lane's, so a test that does not ask for them gets no liveness and a free metrics port
         given = {a.split("=", 1)[0] for a in args}
@@ -42,16 +43,18 @@ class OperatorProcess:
         self.name, self.kubeconfig, self.args = name, kubeconfig, args
         self.log_path = log_dir / f"{name}.log"
         self.env = env or {}
+        self.module = module  # tests.integration.crashing_operator: one that kills itself after a chosen write
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
     def start(self) -> "OperatorProcess":
         env = {**os.environ, "KUBECONFIG": self.kubeconfig, "POD_NAME": self.name,
-               "PYTHONPATH": str(REPO / "operator"), "PYTHONUNBUFFERED": "1", **self.env}
+               "PYTHONPATH": os.pathsep.join([str(REPO / "operator"), str(REPO)]), "PYTHONUNBUFFERED": "1",
+               **self.env}
         with open(self.log_path, "ab") as log:
             log.write(f"---- start {self.starts + 1} at {time.time():.3f}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen([sys.executable, "-m", "embedops_operator.cli", "run", *self.args],
+            self.proc = subprocess.Popen([sys.executable, "-m", self.module, "run", *self.args],
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          cwd=REPO, start_new_session=True)
         self.starts += 1

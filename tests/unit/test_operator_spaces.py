@@ -291,7 +291,7 @@ def test_litellm_names_each_space_during_a_migration(kube):
                    f"minilm@{new_key}": f"http://svc-{new_key}.ml.svc.cluster.local/v1"}
 
 
-# ------------------------------------------------------------------ faults (issue 52): the record decides, not the Service
+# ------------------------------------------------------------- faults (issue 52): the record decides, not the Service
 def _awaiting_promotion(kube):
     """A service of three replicas with a new space ready beside it, not promoted (Manual)."""
     rec = start(kube)
