@@ -24,6 +24,9 @@ from .spec import API_VERSION, KIND
 
 log = logging.getLogger("embedops.reconcile")
 SPACES_MANAGER = "embedops-spaces"  # the field manager of the tracks' serving/retired annotations
+# the field manager of a previous track's replicas (scaled down after a delay, back up for a rollback): its own, as
+# an apply must name every field its manager keeps, and the marks' manager names only annotations
+PREVIOUS_SCALE_MANAGER = "embedops-spaces-scale"
 # lastTransitionTime has one-second resolution: recheck a little after the stall deadline, not on it.
 RECHECK_MARGIN = 1.0
 
@@ -116,8 +119,8 @@ class Reconciler:
                         if plan.serving.live is None:  # a new service's first track: recorded once it exists
                             marked += self._record_tracks(intent, plan)
                         written = marked + applied.written
-                        if plan.next_removal is not None:  # no event marks the end of a previous space's keep
-                            self._reconcile_later((namespace, name), plan.next_removal + RECHECK_MARGIN)
+                        if plan.next_change is not None:  # no event marks a previous space's scale-down or removal
+                            self._reconcile_later((namespace, name), plan.next_change + RECHECK_MARGIN)
                         observed.conflicts = [c.message() for c in applied.conflicts]
                         if applied.conflicts:
                             # no event comes when the user removes a foreign object (the caches hold only the
@@ -246,8 +249,14 @@ class Reconciler:
     def tracks(self, intent: Intent, plan: spaces.Plan) -> render.Tracks:
         spec = intent.spec
         replicas = None
-        if plan.spec is not plan.serving:  # a candidate: fixed replicas (the autoscaler scales the serving track)
-            replicas = max(spec.autoscaling.min_replicas, 1) if spec.autoscaling else max(spec.replicas, 1)
+        if plan.spec is not plan.serving:
+            # a candidate: fixed replicas (the autoscaler scales the serving track), as many as serve now, so the
+            # promotion moves the address to a space of the size its load needs
+            if spec.autoscaling:
+                serving_now = plan.serving.ready[1] if plan.serving.live is not None else 0
+                replicas = min(max(spec.autoscaling.min_replicas, 1, serving_now), spec.autoscaling.max_replicas)
+            else:
+                replicas = max(spec.replicas, 1)
         return render.Tracks(plan.spec.name, plan.serving.name, replicas,
                              tuple((t.key, t.name) for t in plan.tracks) if plan.migrating else (),
                              self._reindex_env(intent, plan) if spec.migration.reindex and plan.migrating else None)
@@ -307,6 +316,10 @@ class Reconciler:
             what = "serving again" if track is plan.serving and spaces.ANNOTATION_RETIRED in has else \
                 "serving" if track is plan.serving else "retired"
             written.append(f"Deployment/{track.name} ({what}, epoch {marks.get(spaces.ANNOTATION_SERVING_EPOCH)})")
+        for track, replicas in plan.scale.items():
+            self.kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": track, "namespace": ns},
+                             "spec": {"replicas": replicas}}, manager=PREVIOUS_SCALE_MANAGER)
+            written.append(f"Deployment/{track} (previous: {replicas} replicas)")
         return written
 
     def _announce(self, intent: Intent, plan: spaces.Plan) -> None:

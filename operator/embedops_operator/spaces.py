@@ -133,7 +133,12 @@ class Plan:
     migrating: bool = False  # more than one track runs: each gets its own Service
     record: str = RECORDED  # where the serving track was read from (RECORDED, FROM_SERVICE, ..., UNKNOWN)
     epoch: int = 1  # the serving track's epoch once the reconcile has written its marks
-    next_removal: float | None = None  # seconds until a previous track's keepPreviousSeconds ends (it is removed)
+    # replicas to give previous tracks: 0 once scaleDownPreviousAfterSeconds passed, the serving size for a rollback
+    scale: dict[str, int] = field(default_factory=dict)
+    next_change: float | None = None  # seconds until a previous track is scaled down or removed (no event says so)
+
+    def later(self, seconds: float) -> None:
+        self.next_change = seconds if self.next_change is None else min(self.next_change, seconds)
 
 
     @property
@@ -188,7 +193,9 @@ def plan(service: str, task: str, spec_decl: dict, live: list[dict], address: st
                            f"space {target.key} ({describe(target.decl)}) now serves the service's address; "
                            f"space {serving.key} stops serving"))
         out.serving = target
-    out.waiting = why if out.serving is not spec else None
+    # why the spec's track does not serve yet, or why the track migration.promote names does not (a rollback waits)
+    out.waiting = why if out.serving is not spec or (migration.promote and migration.promote != out.serving.key) \
+        else None
     highest = max([t.epoch or 0 for t in tracks] or [0])
     current = out.serving.epoch
     out.epoch = current if current is not None and current == highest and \
@@ -208,14 +215,42 @@ def plan(service: str, task: str, spec_decl: dict, live: list[dict], address: st
                                                                   "serving"))
             else:
                 out.previous.append(t)
-                left = (keep - (now - (retired or now))).total_seconds()
-                out.next_removal = left if out.next_removal is None else min(out.next_removal, left)
+                out.later((keep - (now - (retired or now))).total_seconds())
         else:
             out.remove.append(t)  # a candidate that never served: abandoned (the spec moved on)
             out.events.append(("Normal", "CandidateRemoved", f"space {t.key} ({describe(t.decl)}) never served and "
                                                                "the spec no longer asks for it"))
     out.migrating = len(out.tracks) > 1
+    _size_previous(out, migration, now)
     return out
+
+
+def _size_previous(out: Plan, migration, now: dt.datetime) -> None:
+    """A previous track keeps the serving size for scaleDownPreviousAfterSeconds after its retirement, then runs no
+    replica; one that migration.promote names (a rollback) gets the serving size back before the address moves."""
+    serving_size = max(out.serving.ready[1], 1)
+    after = dt.timedelta(seconds=migration.scale_down_previous_after_seconds)
+    for t in out.previous:
+        if t.live is None:
+            continue
+        retired = _time(t.annotation(ANNOTATION_RETIRED)) or now
+        if migration.promote == t.key:
+            want = max(t.ready[1], serving_size)
+        elif now - retired >= after:
+            want = 0
+        else:
+            out.later((after - (now - retired)).total_seconds())
+            continue
+        if t.ready[1] != want:
+            out.scale[t.name] = want
+            if want:
+                out.waiting = (f"space {t.key} is named by migration.promote: scaled back to {want} replicas, it "
+                               "serves the service's address once they are all available")
+            out.events.append(("Normal", "PreviousScaled", (
+                f"space {t.key} ({describe(t.decl)}) scaled to {want} replicas: " + (
+                    "migration.promote names it; the address moves once they are available" if want else
+                    f"{migration.scale_down_previous_after_seconds} s after it stopped serving (kept until "
+                    f"keepPreviousSeconds; naming it in migration.promote scales it back first)"))))
 
 
 def serving_track(tracks: list[Track], address: str | None, status_serving: str | None) -> tuple[Track | None, str]:

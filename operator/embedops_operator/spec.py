@@ -322,6 +322,10 @@ class Migration(Model):
         "back to the previous one while it is kept."))
     keep_previous_seconds: int = Field(86400, ge=0, description=(
         "How long the previous space keeps running after a promotion (rollback is switching back meanwhile)."))
+    scale_down_previous_after_seconds: int = Field(600, ge=0, description=(
+        "How long the previous space keeps every replica after a promotion (a rollback meanwhile is instant, at the "
+        "size that served); then it runs none until keepPreviousSeconds removes it, and a rollback to it first "
+        "scales it back to the serving size, and moves the address once all those replicas are available."))
     reindex: Reindex | None = None
 
 

@@ -263,7 +263,18 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
     )
     activator_ready = spec is None or not render.scales_to_zero(spec, options) or (
         ((observed.activator or {}).get("status") or {}).get("availableReplicas", 0) >= 1)
-    if stalled:
+    mixed = spaces_served(observed.pods) if rolled_out else {}
+    if not stalled and len(mixed) > 1:
+        # every replica runs the current template, yet they serve different spaces: the model changed under a
+        # model.revision that names no commit. Queries get vectors of either: a failure, not progress
+        said = "; ".join(f"space {fp}: {', '.join(sorted(pods))}" for fp, pods in sorted(mixed.items()))
+        cond("Ready", "True", "Available", f"{ready}/{desired} replicas ready")
+        cond("Reconciling", "False", "MixedSpaces", "")
+        cond("Stalled", "True", "MixedSpaces", (
+            f"the replicas behind the service's address serve {len(mixed)} embedding spaces ({said}): the model "
+            "changed under an unpinned model.revision between their starts; set model.revision to the commit your "
+            "index holds (a migration if that is a new space)"))
+    elif stalled:
         cond("Ready", "False", stalled[0], stalled[1])
         cond("Reconciling", "False", stalled[0], "")
         cond("Stalled", "True", stalled[0], stalled[1])
@@ -283,6 +294,11 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
         cond("Ready", "True", "Available", f"{ready}/{desired} replicas ready")
         cond("Reconciling", "True", "StartingSpace", msg)
         cond("Stalled", "False", "StartingSpace", "")
+    elif rolled_out and candidate is None and observed.space_waiting:
+        # migration.promote names a previous space that is not ready yet (scaled back up for a rollback)
+        cond("Ready", "True", "Available", f"{ready}/{desired} replicas ready")
+        cond("Reconciling", "True", "RollingBack", observed.space_waiting)
+        cond("Stalled", "False", "RollingBack", "")
     elif rolled_out and not activator_ready:  # the service's address has nothing behind it yet
         msg = f"{ready}/{desired} replicas ready; the activator that answers the service's address is not available"
         cond("Ready", "False", "WaitingForActivator", msg)
@@ -406,6 +422,31 @@ def _memory_status(spec: EmbeddingServiceSpec, revision: int | None = None) -> d
 def _up(ready: str) -> bool:
     available, _, want = ready.partition("/")
     return int(want or 0) > 0 and int(available or 0) >= int(want)
+
+
+def spaces_served(pods: list[dict]) -> dict[str, list[str]]:
+    """Each embedding space the ready pods report (their prepare steps' `space`), with the pods and commits serving
+    it: more than one key is an address answering from several spaces."""
+    import json
+
+    out: dict[str, list[str]] = {}
+    for pod in pods:
+        st = pod.get("status") or {}
+        if (pod.get("metadata") or {}).get("deletionTimestamp") or not any(
+                c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or []):
+            continue
+        for cs in st.get("initContainerStatuses") or []:
+            msg = (((cs.get("state") or {}).get("terminated") or {}).get("message") or "").strip()
+            if cs.get("name") != "prepare" or not msg.startswith("prepared "):
+                continue
+            try:
+                report = json.loads(msg[len("prepared "):])
+            except ValueError:
+                continue
+            if report.get("space"):
+                commit = f" (commit {report['commit'][:12]})" if report.get("commit") else ""
+                out.setdefault(report["space"], []).append(pod["metadata"]["name"] + commit)
+    return out
 
 
 def served_space(pods: list[dict]) -> str | None:

@@ -387,3 +387,46 @@ def test_tracks_of_an_older_operator_are_read_from_the_service_then_the_status_a
     rec.reconcile("ml", "svc")
     assert serving(kube) == "svc" and deployments(kube) == ["svc", new]
     assert "ServingUnknown" in [e[2] for e in kube.events] and spaces(kube)["candidate"]["deployment"] == new
+
+
+def test_an_autoscaled_service_promotes_a_space_of_the_size_that_serves_and_scales_the_previous_down_later(kube):
+    """Issue 52: the candidate ran at minReplicas while the serving track ran at N under load, and the previous track
+    idled at N for a day. Now the candidate runs as many replicas as serve (within maxReplicas); after the promotion
+    the previous space keeps them for scaleDownPreviousAfterSeconds, then none; a rollback scales it back first."""
+    spec = copy.deepcopy(CPU)
+    spec["autoscaling"] = {"minReplicas": 1, "maxReplicas": 8}
+    spec["migration"] = {"scaleDownPreviousAfterSeconds": 300}
+    rec = start(kube, spec, replicas=1)
+    kube.objects[(*DEP, "svc")]["spec"]["replicas"] = 5  # the autoscaler's doing, under load
+    ready(kube, "svc")
+    change(kube, pooling="cls")
+    rec.reconcile("ml", "svc")
+    new = next(n for n in deployments(kube) if n != "svc")
+    assert kube.objects[(*DEP, new)]["spec"]["replicas"] == 5
+    ready(kube, new)
+    spec = kube.get(*ES, "svc")["spec"]
+    spec["migration"]["promote"] = new_key = new.rsplit("-", 1)[1]
+    kube.update_spec("svc", "ml", spec)
+    rec.reconcile("ml", "svc")
+    assert serving(kube) == new and kube.objects[(*DEP, "svc")]["spec"]["replicas"] == 5  # kept for a rollback
+    # past the delay: the previous space runs no replica, and says so
+    kube.objects[(*DEP, "svc")]["metadata"]["annotations"][S.ANNOTATION_RETIRED] = (
+        dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=301)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    rec.reconcile("ml", "svc")
+    assert kube.objects[(*DEP, "svc")]["spec"]["replicas"] == 0 and "PreviousScaled" in [e[2] for e in kube.events]
+    assert "apply Deployment/svc by embedops-spaces-scale" in kube.log
+    assert deployments(kube) == ["svc", new]
+    # a rollback: scaled back to the serving size first; the address moves once those replicas are available
+    old_key = spaces(kube)["previous"]["key"]
+    spec["migration"]["promote"] = old_key
+    kube.update_spec("svc", "ml", spec)
+    rec.reconcile("ml", "svc")
+    assert kube.objects[(*DEP, "svc")]["spec"]["replicas"] == 5 and serving(kube) == new
+    waiting = condition(kube, "Reconciling")
+    assert waiting["reason"] == "RollingBack" and f"space {old_key} is named by migration.promote: scaled back to 5 " \
+        "replicas" in waiting["message"] and spaces(kube)["serving"]["key"] == new_key
+    rec.reconcile("ml", "svc")  # scaled, not available yet: the usual message
+    assert "is named by migration.promote but is not ready yet (0/5" in condition(kube, "Reconciling")["message"]
+    ready(kube, "svc")
+    rec.reconcile("ml", "svc")
+    assert serving(kube) == "svc" and "RolledBack" in [e[2] for e in kube.events]

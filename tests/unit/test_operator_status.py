@@ -306,3 +306,30 @@ def test_a_new_space_that_cannot_get_all_its_replicas_is_stalled_while_the_old_o
     assert "the new space bbbb2222 cannot start (2/3 replicas available)" in said and "Insufficient memory" in said
     assert "space aaaa1111 keeps serving" in said
     assert ST.stall_check_in(observed(30).candidate_pods, NOW, 60) == 30
+
+
+def test_replicas_of_one_template_serving_two_spaces_are_a_failure_not_a_comma():
+    """Issue 52: an unpinned model.revision, an upstream commit between two replicas' starts: the address answers
+    from two spaces and the status only listed the fingerprints comma-separated."""
+    import json
+
+    def prepared(name, space, commit):
+        p = pod(name)
+        p["status"]["conditions"].append({"type": "Ready", "status": "True"})
+        p["status"]["initContainerStatuses"] = [{"name": "prepare", "state": {"terminated": {
+            "message": "prepared " + json.dumps({"space": space, "commit": commit})}}}]
+        return p
+    spec = copy.deepcopy(CPU)
+    spec["replicas"] = 3
+    pods = [prepared("a", "1111", "a" * 40), prepared("b", "1111", "a" * 40), prepared("c", "2222", "b" * 40)]
+    s = compute(spec, ST.Observed(deployment=deployment(replicas=3, ready=3, updated=3), pods=pods))
+    assert conds(s)["Stalled"] == ("True", "MixedSpaces") and conds(s)["Ready"][0] == "True"
+    msg = next(c for c in s["conditions"] if c["type"] == "Stalled")["message"]
+    assert "serve 2 embedding spaces (space 1111: a (commit aaaaaaaaaaaa), b (commit aaaaaaaaaaaa); space 2222: c " \
+           "(commit bbbbbbbbbbbb))" in msg and "set model.revision" in msg
+    # while a rollout replaces pods, two reports are the rollout's, not a mix
+    s = compute(spec, ST.Observed(deployment=deployment(replicas=4, ready=3, updated=2), pods=pods))
+    assert conds(s)["Stalled"][0] == "False"
+    # one space: nothing to say
+    s = compute(spec, ST.Observed(deployment=deployment(replicas=3, ready=3, updated=3), pods=pods[:2]))
+    assert conds(s)["Stalled"] == ("False", "Available")
