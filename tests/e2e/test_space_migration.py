@@ -7,7 +7,9 @@ picks a pod per connection), then `model.pooling: cls`. Which space answered is 
 `embedding-space` header and checked against the vector itself. Before this design the address answered from both
 spaces for 22.6 s (154 alternations). Now: the new space comes up beside the old one at its own address, the
 service's address answers from the old space only until the promotion, from the new one only after it, and from the
-old one again after a rollback; no request fails.
+old one again after a rollback; no request fails. And issue 52's fault on the way: the Service deleted while the new
+space awaits its promotion (it came back selecting the new space, and the Deployment that served was deleted): it
+comes back on the old space, and requests fail only while it is gone and their names resolve to its old address.
 """
 from __future__ import annotations
 

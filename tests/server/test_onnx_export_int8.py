@@ -1,10 +1,13 @@
 """ONNX export from torch weights (no ONNX file in the folder) and the quality-gated int8 option."""
 from __future__ import annotations
 
+import time
+
 import httpx
 import numpy as np
 import pytest
 
+from embedops_server.backends import onnx_export
 from embedops_server.backends.ort_backend import OrtBackend
 from embedops_server.core.model_info import load_model_info
 from localcluster.models import minilm_dir
@@ -122,7 +125,12 @@ def test_export_cache_follows_new_weights_at_the_same_path(tmp_path):
     build_classifier(model_dir, 3, seed=3)  # new weights, same folder
     second_path, second = exported_logits()
     assert second_path != first_path
-    assert not first_path.parent.exists()  # the earlier revision's entry is gone, not piling up
+    # the earlier revision's entry stays while it may be in use (held, or used within STALE_AFTER_SECONDS: a pod of
+    # that revision may still run on a shared cache), and goes once stale, not piling up
+    assert first_path.parent.exists()
+    onnx_export.release(first_path.parent)
+    week_later = time.time() + onnx_export.STALE_AFTER_SECONDS + 60
+    assert onnx_export.prune_stale(cache, keep=second_path.parent, now=week_later) == [first_path.parent]
     assert [d.name for d in cache.iterdir()] == [second_path.parent.name]
     with torch.no_grad():
         ref = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()(

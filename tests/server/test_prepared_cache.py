@@ -41,6 +41,7 @@ def read_only(path: Path):
     try:
         yield view
     finally:
+        onnx_export.release()  # this process's holds on cache entries under the mount (a server's, for its life)
         subprocess.run(["umount", str(view)], check=False)
         view.rmdir()
 
@@ -107,11 +108,12 @@ def test_prepare_quantizes_a_read_only_folder_and_the_server_loads_only_the_int8
     assert not list(hub_folder.rglob("*-inferred*")), "nothing may be written beside the model"
     assert term.read_text().startswith("prepared ") and '"int8_cosine"' in term.read_text()
 
-    # a second prepare on a prepared cache changes nothing
+    # a second prepare on a prepared cache changes nothing but its records of the last start (what a pruner reads)
+    made = ("prepared.json", onnx_export.USED_FILE)
     before = {p: p.stat().st_mtime_ns for p in entry.iterdir()}
     assert _prepare(hub_folder, cache, "--quantize", "int8", "--int8-min-cosine", "0.9").returncode == 0
-    assert {p: p.stat().st_mtime_ns for p in entry.iterdir() if p.name != "prepared.json"} == \
-        {p: t for p, t in before.items() if p.name != "prepared.json"}
+    assert {p: p.stat().st_mtime_ns for p in entry.iterdir() if p.name not in made} == \
+        {p: t for p, t in before.items() if p.name not in made}
 
     with read_only(cache) as cache:
         loaded: list[str] = []
@@ -345,3 +347,58 @@ def test_two_servers_starting_together_on_one_cache_both_get_every_graph(hub_fol
     assert [b.latency_graph for b in made] == ["fused-int8", "fused-int8"]
     entry = onnx_export.cache_dir(info, settings.onnx_cache)
     assert not [p.name for p in entry.iterdir() if "tmp" in p.name]
+
+
+def _hub_snapshot(root: Path, sha: str, hidden: int = 64) -> Path:
+    """A model downloaded into a Hugging Face cache's layout (snapshots/<commit>), as each pod's download step makes
+    it: same path and commit in every pod, new mtimes in each."""
+    return build_m3_folder(root / "models--acme--m3" / "snapshots" / sha, hidden=hidden, layers=1)
+
+
+def test_the_cache_key_is_the_commit_and_the_files_not_the_time_they_were_downloaded(tmp_path):
+    """Issue 52: the key held each file's mtime, so each pod's download made an entry of its own on a shared cache."""
+    folder = _hub_snapshot(tmp_path, "a" * 40)
+    key = onnx_export.cache_key(load_model_info(folder))
+    for f in folder.rglob("*"):
+        if f.is_file():
+            os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 10**9))  # another pod's download
+    assert onnx_export.cache_key(load_model_info(folder)) == key
+    # a folder that records no commit is its files' sizes and times (the same for every pod mounting it)
+    plain = build_m3_folder(tmp_path / "plain", hidden=64, layers=1)
+    before = onnx_export.cache_key(load_model_info(plain))
+    cfg = plain / "config.json"
+    os.utime(cfg, ns=(cfg.stat().st_atime_ns, cfg.stat().st_mtime_ns + 10**9))
+    assert onnx_export.cache_key(load_model_info(plain)) != before
+
+
+def test_a_shared_cache_keeps_an_entry_another_process_holds_or_used_lately(tmp_path):
+    """Issue 52: each new entry removed the other entries of the same folder as 'earlier revisions', so a pod of the
+    previous space (or an older replica) whose server container restarted found its graph gone on the read-only
+    mount and crash-looped. Now another revision's entry goes only when no process holds it and no start used it
+    for STALE_AFTER_SECONDS."""
+    cache = tmp_path / "cache"
+    old = _hub_snapshot(tmp_path / "hub", "a" * 40)
+    old_entry = onnx_export.cache_dir(load_model_info(old), str(cache))
+    onnx_export._held.pop(old_entry).close()  # as the pod of that revision did: its lock is another process's
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'rb'); fcntl.flock(f, fcntl.LOCK_SH); print('held', "
+        "flush=True); time.sleep(60)"), str(old_entry / onnx_export.SOURCE_FILE)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        week = onnx_export.STALE_AFTER_SECONDS + 60
+        os.utime(old_entry / onnx_export.USED_FILE, (os.path.getmtime(old_entry) - week,) * 2)
+        # the new revision prepared into the same cache (its files replaced the old ones in place: same path)
+        new = _hub_snapshot(tmp_path / "hub", "a" * 40, hidden=32)
+        new_entry = onnx_export.cache_dir(load_model_info(new), str(cache))
+        assert new_entry != old_entry and old_entry.is_dir()  # held: kept, though unused for a week
+    finally:
+        holder.kill()
+        holder.wait()
+    # not held, used within the week: kept
+    os.utime(old_entry / onnx_export.USED_FILE)
+    assert onnx_export.prune_stale(cache, keep=new_entry) == [] and old_entry.is_dir()
+    # not held, unused for a week: removed
+    past = onnx_export.STALE_AFTER_SECONDS + 60
+    assert onnx_export.prune_stale(cache, keep=new_entry,
+                                   now=os.path.getmtime(old_entry / onnx_export.USED_FILE) + past) == [old_entry]
+    assert not old_entry.exists() and new_entry.is_dir()

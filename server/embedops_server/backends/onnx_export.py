@@ -10,10 +10,11 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
-from ..core.model_info import (CLASSIFIER, RERANKER, SPARSE, ModelError, ModelInfo, no_onnx_without_torch,
-                               torch_installed)
+from ..core.model_info import (CLASSIFIER, RERANKER, SPARSE, ModelError, ModelInfo, model_commit,
+                               no_onnx_without_torch, torch_installed)
 from ..settings import Tuning
 
 log = logging.getLogger(__name__)
@@ -24,24 +25,37 @@ _FINGERPRINTED = (".json", ".safetensors", ".bin", ".pt", ".pth", ".txt", ".mode
 
 
 def cache_key(info: ModelInfo) -> str:
-    """The model folder's path plus each weight/config file's name, size and mtime.
+    """The model folder's path, the commit it records, and each weight/config file's name and size; the files'
+    mtimes only for a folder that records no commit.
 
     The path alone is not enough: a new revision copied to the same volume path (a re-synced PVC, an updated
     image layer) would otherwise be served from the stale export. Hashing the contents would cost seconds per
-    start for multi-GB models; size + mtime is what build tools use.
+    start for multi-GB models. A folder that records its commit (a Hugging Face cache, `hf download`, a git clone)
+    is that commit: every pod that downloads it gets the same key, though each download has its own mtimes (keyed
+    by mtimes, each pod of a shared cache made an entry of its own and removed the others'). A folder without one
+    is keyed by size + mtime, what build tools use: the same files for every pod mounting that volume.
     """
     root = info.path.resolve()
     files = [f for f in root.rglob("*") if f.is_file() and f.suffix in _FINGERPRINTED]
     if info.onnx_path is not None:  # the folder's own ONNX file is what int8 quantizes
         files.append(Path(info.onnx_path).resolve())
+    commit = model_commit(root)
     h = hashlib.sha256(str(root).encode())
+    if commit:
+        h.update(f"\0commit {commit}".encode())
     for f in sorted(set(files)):
         st = f.stat()
-        h.update(f"\0{f}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+        h.update(f"\0{f}\0{st.st_size}".encode() + (b"" if commit else f"\0{st.st_mtime_ns}".encode()))
     return h.hexdigest()[:16]
 
 
 SOURCE_FILE = "source.txt"  # the model folder an entry was made from
+USED_FILE = "used"  # touched by every start that can write the cache (each pod's prepare step): its last use
+# Another entry (another revision, another model) is removed only once no process holds it (below) and no start has
+# used it for this long: a pod of that revision may still run (the previous space of a migration, an older replica),
+# and its server container, restarting, finds its entry on the read-only mount only if it is still there.
+STALE_AFTER_SECONDS = 7 * 86400
+_held: dict[Path, object] = {}  # entry -> the open file whose shared lock this process holds for its life
 
 
 def cache_root(base: str | None) -> Path:
@@ -50,8 +64,10 @@ def cache_root(base: str | None) -> Path:
 
 def cache_dir(info: ModelInfo, base: str | None) -> Path:
     """This model revision's entry in the ONNX cache (``--onnx-cache`` or $ONNX_CACHE, else $EMBEDOPS_CACHE or
-    ~/.cache/embedops). Entries made for earlier revisions of the same folder are removed: nothing can use
-    them any more, and a long-lived cache volume would otherwise grow with every model update.
+    ~/.cache/embedops), held by this process (a shared lock) for its life. Other entries are removed once stale:
+    held by no process and unused for `STALE_AFTER_SECONDS` (a long-lived cache volume would otherwise grow with
+    every model update; removing another revision's entry at once, as before, deleted the graphs of pods that still
+    served it, on a cache many pods share).
 
     A read-only cache (the serving pods mount the volume the prepare step wrote, read-only) is used as it is:
     its entry must exist, nothing is written or removed."""
@@ -62,21 +78,78 @@ def cache_dir(info: ModelInfo, base: str | None) -> Path:
         d.mkdir(parents=True, exist_ok=True)
         if not (d / SOURCE_FILE).exists() or (d / SOURCE_FILE).read_text() != source:
             (d / SOURCE_FILE).write_text(source)
+        (d / USED_FILE).touch()
     except OSError as e:
         if d.is_dir():
+            _hold(d)
             return d  # read-only and prepared: use what is there
         raise ModelError(f"the ONNX cache {root} cannot be written ({e.strerror}) and holds no entry for "
                          f"{source} at this revision: run `embedops-server prepare` with the same flags into it "
                          "first (the operator's prepare step does)") from None
+    _hold(d)
+    prune_stale(root, keep=d)
+    return d
+
+
+def _hold(entry: Path) -> None:
+    """A shared lock on the entry for this process's life: what tells `prune_stale` (in another pod on the same
+    volume, local or NFS, where flock is a POSIX lock) that a running server uses it."""
+    if entry in _held:
+        return
+    try:
+        f = open(entry / SOURCE_FILE, "rb")
+        fcntl.flock(f, fcntl.LOCK_SH)
+    except OSError:
+        return  # an entry without its source file, or a file system without locks: the age alone protects it
+    _held[entry] = f
+
+
+def release(entry: Path | None = None) -> None:
+    """Drop this process's hold on `entry` (None: on every entry): for a process that stops serving a model before
+    it exits (tests that load several models, a read-only mount to be unmounted)."""
+    for e in [entry] if entry is not None else list(_held):
+        f = _held.pop(e, None)
+        if f is not None:
+            f.close()
+
+
+def held_elsewhere(entry: Path) -> bool:
+    """Whether a process holds `entry` (its shared lock): an exclusive lock cannot be had at once."""
+    if entry in _held:
+        return True
+    try:
+        with open(entry / SOURCE_FILE, "r+b") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+    except OSError:
+        return False
+    return False
+
+
+def prune_stale(root: Path, keep: Path, now: float | None = None) -> list[Path]:
+    """Remove the entries other than `keep` that no process holds and no start used for `STALE_AFTER_SECONDS`.
+    Returns what was removed."""
+    now = time.time() if now is None else now
+    removed = []
     for other in root.glob(f"*/{SOURCE_FILE}"):
+        entry = other.parent
         try:
-            stale = other.parent != d and other.read_text() == source
+            if entry == keep:
+                continue
+            source = other.read_text()
+            used = (entry / USED_FILE).stat().st_mtime if (entry / USED_FILE).exists() else other.stat().st_mtime
         except OSError:
             continue
-        if stale:
-            log.info("removing the ONNX cache entry of an earlier revision of %s: %s", source, other.parent)
-            shutil.rmtree(other.parent, ignore_errors=True)
-    return d
+        if now - used < STALE_AFTER_SECONDS or held_elsewhere(entry):
+            continue
+        log.info("removing the ONNX cache entry of another revision of %s, unused for %.0f days: %s", source,
+                 (now - used) / 86400, entry)
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
 
 
 @contextlib.contextmanager
