@@ -417,6 +417,16 @@ class EmbeddingServiceSpec(Model):
                 # a static message: the API server's cost estimator refuses string(int) concatenation here
                 "batching.maxBatchTokens must be at least model.maxInputLength (the longest accepted input)",
                 reason="FieldValueInvalid"),
+            # a request larger than the server can ever admit would be answered 429 forever (issue 53)
+            cel("self.batching.maxClientBatchSize <= self.batching.maxConcurrentRequests",
+                "batching.maxClientBatchSize must not exceed batching.maxConcurrentRequests: a larger request could "
+                "never be admitted (it would be answered 429 forever)", reason="FieldValueInvalid"),
+            cel("(has(self.lanes) && has(self.lanes.enabled) && !self.lanes.enabled) || "
+                "self.batching.maxClientBatchSize * 4 <= self.batching.maxConcurrentRequests * 3",
+                "batching.maxClientBatchSize must not exceed the batch lane's share of batching.maxConcurrentRequests "
+                "(three quarters) while the lanes are on: a larger batch request could never be admitted (it would "
+                "be answered 429 forever); raise maxConcurrentRequests, lower maxClientBatchSize, or set "
+                "lanes.enabled: false", reason="FieldValueInvalid"),
             cel("!has(self.accelerator.cpu) || !has(self.model.dtype) || self.model.dtype != 'float16'",
                 "model.dtype float16 is not supported on CPU; use float32 or bfloat16"),
             cel("!has(self.model.quantize) || has(self.accelerator.cpu)",
@@ -467,6 +477,19 @@ class EmbeddingServiceSpec(Model):
     pod_annotations: dict[str, str] | None = None
     service_account_name: str | None = None
     image_pull_secrets: list[LocalObjectReference] | None = None
+
+    @model_validator(mode="after")
+    def _admissible_batch(self) -> "EmbeddingServiceSpec":
+        """Mirrors the two CEL rules on maxClientBatchSize for objects stored before them: their pods would refuse
+        to start (the server checks the same), so the operator reports InvalidSpec and renders nothing new."""
+        b = self.batching
+        if b.max_client_batch_size > b.max_concurrent_requests:
+            raise ValueError("batching.maxClientBatchSize must not exceed batching.maxConcurrentRequests: a larger "
+                             "request could never be admitted (it would be answered 429 forever)")
+        if (self.lanes is None or self.lanes.enabled) and b.max_client_batch_size * 4 > b.max_concurrent_requests * 3:
+            raise ValueError("batching.maxClientBatchSize must not exceed the batch lane's share of "
+                             "batching.maxConcurrentRequests (three quarters) while the lanes are on")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------------- status

@@ -201,7 +201,7 @@ def make_lanes(s: Settings, backend: Backend, tokenizers: TokenizerPool, max_len
 
     if not s.lanes:
         return Lanes.one(make())
-    batch_limit = max(1, int(s.max_concurrent_requests * s.batch_lane_share))
+    batch_limit = s.batch_lane_limit
     if backend.concurrent_lanes:
         return Lanes.separate_engines(make, s.max_concurrent_requests, batch_limit, s.batch_lane_nice)
     return Lanes.one(make(), enabled=True, batch_limit=batch_limit)

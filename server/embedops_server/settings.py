@@ -78,6 +78,16 @@ class EnvironmentSettings(BaseSettings):
         finally:
             _ENVIRON.reset(token)
 
+    @field_validator("api_key", check_fields=False)
+    @classmethod
+    def key_without_whitespace(cls, value: str | None) -> str | None:
+        """A key read with a trailing newline (a Secret written by `echo`) matches no client's bearer token: every
+        request would be 401 while /health says 200. Refused at start (issue 53), by the server and the activator."""
+        if value and value != value.strip():
+            raise ValueError("the API key has leading or trailing whitespace (a Secret written with a newline?): "
+                             "no client's bearer token would match it; remove it from the Secret")
+        return value
+
     @classmethod
     def env_name(cls, field: str) -> str:
         """The environment variable of a field: its name in upper snake case, after the model's prefix."""
@@ -174,6 +184,7 @@ class Settings(EnvironmentSettings):
         """`none` (or an empty value) on the command line means the default None, as TEI's optional flags do."""
         return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
 
+
     @field_validator("default_lane", mode="before")
     @classmethod
     def lane_in_any_case(cls, value: Any) -> Any:
@@ -190,7 +201,22 @@ class Settings(EnvironmentSettings):
             raise ValueError("the ONNX Runtime backend runs float32 (or --quantize int8)")
         if self.backend == "hybrid" and ((self.device or "cpu") != "cpu" or self.dtype not in (None, "float32")):
             raise ValueError("--backend hybrid is CPU float32 only (ONNX Runtime for short inputs, torch for long)")
+        # a request the server could never admit would be answered 429 (retry later) forever: refused here instead
+        c, m = self.max_client_batch_size, self.max_concurrent_requests
+        if c > m:
+            raise ValueError(f"--max-client-batch-size {c} > --max-concurrent-requests {m}: a request of {m + 1}-{c} "
+                             "inputs could never be admitted (429 forever); lower the one or raise the other")
+        if self.lanes and c > self.batch_lane_limit:
+            raise ValueError(f"--max-client-batch-size {c} > the batch lane's limit {self.batch_lane_limit} "
+                             f"(--max-concurrent-requests {m} x --batch-lane-share {self.batch_lane_share}): a batch "
+                             f"request of {self.batch_lane_limit + 1}-{c} inputs could never be admitted (429 "
+                             "forever); lower --max-client-batch-size, raise the others, or --lanes false")
         return self
+
+    @property
+    def batch_lane_limit(self) -> int:
+        """Inputs the batch lane may hold in flight (core/lanes.py)."""
+        return max(1, int(self.max_concurrent_requests * self.batch_lane_share))
 
 
 class ActivatorSettings(EnvironmentSettings):

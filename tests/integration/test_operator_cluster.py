@@ -221,6 +221,12 @@ def test_invalid_manifests_are_refused_with_the_cel_message(ctx):
     msg = _create_raw(ctx, "bad-int8", {"model": {"id": "x", "quantize": "int8"},
                                         "accelerator": {"mig": {"profile": "1g.10gb"}}})
     assert "model.quantize int8 runs on CPU (ONNX Runtime)" in msg
+    msg = _create_raw(ctx, "bad-batch", {"model": {"id": "x"}, "accelerator": {"cpu": {}},
+                                         "batching": {"maxConcurrentRequests": 16}})  # 32 inputs: 429 forever
+    assert "batching.maxClientBatchSize must not exceed batching.maxConcurrentRequests" in msg
+    msg = _create_raw(ctx, "bad-lane", {"model": {"id": "x"}, "accelerator": {"cpu": {}},
+                                        "batching": {"maxConcurrentRequests": 40}})
+    assert "must not exceed the batch lane's share of batching.maxConcurrentRequests" in msg
     msg = _create_raw(ctx, "bad-enum", {"model": {"id": "x"}, "accelerator": {"mig": {"profile": "1g.99gb"}}})
     assert "1g.99gb" in msg and "Unsupported value" in msg
 

@@ -21,12 +21,12 @@ def test_tei_defaults():
 
 
 def test_every_flag_has_an_env_var_and_flags_win():
-    env = {"MODEL_ID": "/m", "PORT": "9000", "MAX_BATCH_TOKENS": "2048", "MAX_CONCURRENT_REQUESTS": "7",
+    env = {"MODEL_ID": "/m", "PORT": "9000", "MAX_BATCH_TOKENS": "2048", "MAX_CONCURRENT_REQUESTS": "70",
            "API_KEY": "sekrit-value", "AUTO_TRUNCATE": "false", "JSON_OUTPUT": "true", "MAX_BATCH_REQUESTS": "4",
            "POOLING": "cls", "DEFAULT_PROMPT": "query: ", "SERVED_MODEL_NAME": "mini", "PAYLOAD_LIMIT": "100",
            "GRACEFUL_SHUTDOWN_TIMEOUT": "12.5", "HOSTNAME": "my-pod-5d8f"}
     s = parse_args([], environ=env)
-    assert (s.model_id, s.port, s.max_batch_tokens, s.max_concurrent_requests) == ("/m", 9000, 2048, 7)
+    assert (s.model_id, s.port, s.max_batch_tokens, s.max_concurrent_requests) == ("/m", 9000, 2048, 70)
     assert s.api_key == "sekrit-value" and s.auto_truncate is False and s.json_output and s.max_batch_requests == 4
     assert s.pooling == "cls" and s.default_prompt == "query: " and s.served_model_name == "mini"
     assert s.payload_limit == 100 and s.graceful_shutdown_timeout == 12.5
@@ -63,7 +63,13 @@ def test_contradicting_or_bad_settings_are_refused_before_anything_loads():
              (["--dtype", "float8"], {}, "argument --dtype"),
              ([], {"MAX_BATCH_TOKENS": "many"}, "environment variable MAX_BATCH_TOKENS"),
              ([], {"EMBEDOPS_ORT_SMALL_TOKENS": "-1"}, "environment variable EMBEDOPS_ORT_SMALL_TOKENS"),
-             (["--batch-port", "70000"], {}, "argument --batch-port")]
+             (["--batch-port", "70000"], {}, "argument --batch-port"),
+             # issue 53: requests that could never be admitted (answered 429 forever) are refused at start instead
+             (["--max-concurrent-requests", "16"], {},
+              "--max-client-batch-size 32 > --max-concurrent-requests 16: a request of 17-32 inputs could never be "
+              "admitted"),
+             (["--max-concurrent-requests", "40"], {}, "--max-client-batch-size 32 > the batch lane's limit 30"),
+             ([], {"API_KEY": "sekrit\n"}, "leading or trailing whitespace")]
     for argv, extra, message in cases:
         r = subprocess.run([sys.executable, "-m", "embedops_server.cli", "--model-id", "m", *argv], capture_output=True,
                            text=True, env={**env, **extra}, timeout=60)

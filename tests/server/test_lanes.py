@@ -158,7 +158,7 @@ def test_the_batch_lane_keeps_going_under_a_steady_query_load():
 
 def test_each_lane_is_refused_on_its_own_limit():
     with run_server(model_id=str(minilm_onnx_dir()), backend="onnxruntime", max_concurrent_requests=40,
-                    batch_lane_share=0.5, max_batch_requests=2) as (url, st):
+                    batch_lane_share=0.5, max_client_batch_size=16, max_batch_requests=2) as (url, st):
         Pace(st.service.backend, 0.05)
 
         async def go():
@@ -204,3 +204,24 @@ def test_the_batch_port_is_the_batch_lanes_address():
         main = httpx.post(url + "/embed", json={"inputs": QUERY})
         assert main.status_code == 200 and main.headers["embedops-lane"] == INTERACTIVE
         assert one.json() == main.json()  # one model, one space, whichever the lane
+
+
+def test_a_request_larger_than_its_lanes_limit_is_refused_as_invalid_never_429():
+    """Issue 53: on an idle server, a request of more inputs than its lane may ever hold in flight was answered
+    429 + Retry-After forever (clients retried, nothing queued, KEDA never scaled). The settings refuse such a
+    --max-client-batch-size at start; the lanes refuse such a request as invalid, whoever calls them."""
+    import types
+
+    from embedops_server.core.errors import OVERLOADED, VALIDATION
+    from embedops_server.core.lanes import Lanes
+
+    engine = types.SimpleNamespace(in_flight=0, max_concurrent=16, retry_after=lambda: 1, urgent_lane=None)
+    lanes = Lanes.one(engine, enabled=True, batch_limit=12)
+    with pytest.raises(EngineError) as err:
+        lanes.admit(BATCH, 13)
+    assert err.value.kind == VALIDATION and "batch size 13 > the batch lane's limit of inputs in flight 12" in \
+        err.value.message
+    lanes.admit(INTERACTIVE, 13)  # the interactive lane holds up to the whole limit
+    with pytest.raises(EngineError) as err:
+        lanes.admit(INTERACTIVE, 4)  # 17 > 16 in flight: overloaded, a retry can pass
+    assert err.value.kind == OVERLOADED

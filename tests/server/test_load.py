@@ -29,7 +29,7 @@ def _metric(url, name):
 
 def test_backpressure_429_while_admitted_work_completes(st_model):
     with run_server(model_id=str(minilm_dir()), backend="torch", max_concurrent_requests=8,
-                    max_client_batch_size=8, max_batch_requests=2) as (url, st):
+                    max_client_batch_size=4, max_batch_requests=2) as (url, st):
         texts = [LONG] * 4
         real = st.service.backend.forward
 

@@ -120,3 +120,18 @@ def test_defaults_applied_like_the_api_server():
     # pydantic applies the same defaults
     parsed = S.parse(es(MIG)).spec
     assert parsed.batching.max_batch_tokens == 16384 and parsed.accelerator.mig.product == "H100-80GB"
+
+
+def test_a_client_batch_the_server_could_never_admit_is_refused():
+    """Issue 53: maxClientBatchSize above maxConcurrentRequests, or above the batch lane's three quarters of it
+    while the lanes are on, made requests that were answered 429 forever; the pods now refuse such flags at start."""
+    over = errors_of(with_(MIG, batching={"maxConcurrentRequests": 16, "maxClientBatchSize": 32}))
+    assert any("batching.maxClientBatchSize must not exceed batching.maxConcurrentRequests" in e for e in over)
+    lane = errors_of(with_(MIG, batching={"maxConcurrentRequests": 40}))
+    assert lane and all("the batch lane's share" in e for e in lane), lane
+    assert errors_of(with_(MIG, batching={"maxConcurrentRequests": 40}, lanes={"enabled": False})) == []
+    assert errors_of(with_(MIG, batching={"maxConcurrentRequests": 64, "maxClientBatchSize": 48})) == []
+    # an object stored before the rules: the operator's parse says the same (InvalidSpec; nothing rendered)
+    from embedops_operator.spec import parse
+    with pytest.raises(Exception, match="batch lane's share"):
+        parse(es(with_(MIG, batching={"maxConcurrentRequests": 40})))

@@ -121,6 +121,9 @@ class Lanes:
         Event loop only (like Engine.admit)."""
         limit = self.max_concurrent if lane == INTERACTIVE or not self.enabled else self.batch_limit
         engine = self.engines[lane]
+        if n > limit:  # never admissible, however idle the server: a 429 would be retried forever (the settings
+            # refuse such a --max-client-batch-size at start; this holds for any caller)
+            raise EngineError(VALIDATION, f"batch size {n} > the {lane} lane's limit of inputs in flight {limit}")
         if self.in_flight + n > limit:
             # TEI's message when the whole budget is full; the batch lane's own limit says so
             which = " (batch lane)" if limit < self.max_concurrent else ""
