@@ -27,6 +27,9 @@ SPACES_MANAGER = "embedops-spaces"  # the field manager of the tracks' serving/r
 # the field manager of a previous track's replicas (scaled down after a delay, back up for a rollback): its own, as
 # an apply must name every field its manager keeps, and the marks' manager names only annotations
 PREVIOUS_SCALE_MANAGER = "embedops-spaces-scale"
+# the field manager of a track's model-commit record (its Deployment's annotation and the ConfigMap its pods read)
+COMMIT_MANAGER = "embedops-model-commit"
+ANNOTATION_MODEL_COMMIT = "embedops.dev/model-commit"
 # lastTransitionTime has one-second resolution: recheck a little after the stall deadline, not on it.
 RECHECK_MARGIN = 1.0
 
@@ -172,6 +175,8 @@ class Reconciler:
                 by_track.setdefault(((pod.get("metadata") or {}).get("labels") or {}).get(render.LABEL_INSTANCE), []
                                     ).append(pod)
             observed.pods = by_track.get(serving, [])
+            if plan is not None:
+                self._pin_commits(intent, plan, by_track)
             if plan is not None and intent.task in spaces.MIGRATING_TASKS:
                 observed.spaces = self._space_status(intent, plan, by_track)
                 observed.space_waiting = plan.waiting
@@ -322,6 +327,39 @@ class Reconciler:
             written.append(f"Deployment/{track} (previous: {replicas} replicas)")
         return written
 
+    def _pin_commits(self, intent: Intent, plan: spaces.Plan, pods: dict[str, list[dict]]) -> None:
+        """One space, one set of weights: a track whose pods resolve the model's commit at start (template revision
+        5, render.pins_commit) gets the commit its first ready replica loaded, once: the ConfigMap its pods read
+        (PINNED_REVISION; owned by the track's Deployment, so it goes with it), then the Deployment's annotation,
+        the record that it is done (read from the cache: a reconcile at rest sends nothing). Every later pod of the
+        track, a restart, a scale-up or a replacement, loads that commit; a new upstream commit is taken only by a
+        spec that names it in model.revision (a new space, a migration)."""
+        ns = intent.namespace
+        for track in plan.tracks:
+            live = self.kube.get("apps/v1", "Deployment", ns, track.name)
+            if live is None or (apply.controller_of(live) or {}).get("uid") != intent.uid:
+                continue
+            if ANNOTATION_MODEL_COMMIT in ((live.get("metadata") or {}).get("annotations") or {}):
+                continue
+            server = next((c for c in live["spec"]["template"]["spec"].get("containers") or []
+                           if c.get("name") == "server"), {})
+            if not any(e.get("name") == render.PINNED_REVISION and e.get("valueFrom") for e in server.get("env") or []):
+                continue  # a commit in the spec, a local folder, or a template from before revision 5
+            commit = status.first_commit(pods.get(track.name, []))
+            if commit is None:
+                continue
+            self.kube.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
+                "name": render.commit_config_map(track.name), "namespace": ns,
+                "labels": {render.LABEL_SERVICE: intent.name, render.LABEL_INSTANCE: track.name},
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": track.name,
+                                     "uid": live["metadata"]["uid"]}]}, "data": {"commit": commit}},
+                manager=COMMIT_MANAGER)
+            self.kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {
+                "name": track.name, "namespace": ns, "annotations": {ANNOTATION_MODEL_COMMIT: commit}}},
+                manager=COMMIT_MANAGER)
+            log.info("%s/%s: the model commit of track %s pinned to %s (its first replica's)", ns, intent.name,
+                     track.name, commit)
+
     def _announce(self, intent: Intent, plan: spaces.Plan) -> None:
         for kind, reason, message in plan.events:
             self.kube.event(intent.resource, kind, reason, message)
@@ -349,6 +387,7 @@ class Reconciler:
                 job = self._reindex_job(intent, t.key)
                 reindex = f"Job {job['metadata']['name']}: {reindex_state(job)}" if job else "waits for the space"
             entry = {"key": t.key, "model": spaces.describe(t.decl), "deployment": t.name, "reindex": reindex,
+                     "commit": track.annotation(ANNOTATION_MODEL_COMMIT),
                      "fingerprint": status.served_space(pods.get(t.name, [])), "ready": f"{available}/{want}",
                      "serving": t is plan.serving, "role": role, "since": served}
             if plan.migrating:

@@ -550,6 +550,9 @@ class SpaceStatus(Model):
                                                "for rollback).")
     since: str | None = Field(None, description="serving: when it was promoted; previous: when it stopped serving.")
     reindex: str | None = Field(None, description="The reindex Job and its state.")
+    commit: str | None = Field(None, description=(
+        "The model commit every replica of this space loads: the one its first replica resolved, pinned for the "
+        "later ones (when model.revision names no commit)."))
 
 
 class EmbeddingServiceStatus(Model):

@@ -449,6 +449,28 @@ def spaces_served(pods: list[dict]) -> dict[str, list[str]]:
     return out
 
 
+def first_commit(pods: list[dict]) -> str | None:
+    """The model commit the oldest ready pod's prepare step reported (what a track pins for its later pods)."""
+    import json
+
+    for pod in sorted(pods, key=lambda p: ((p.get("metadata") or {}).get("creationTimestamp") or "",
+                                           (p.get("metadata") or {}).get("name", ""))):
+        st = pod.get("status") or {}
+        if (pod.get("metadata") or {}).get("deletionTimestamp") or not any(
+                c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or []):
+            continue
+        for cs in st.get("initContainerStatuses") or []:
+            msg = (((cs.get("state") or {}).get("terminated") or {}).get("message") or "").strip()
+            if cs.get("name") == "prepare" and msg.startswith("prepared "):
+                try:
+                    commit = json.loads(msg[len("prepared "):]).get("commit")
+                except ValueError:
+                    continue
+                if commit:
+                    return commit
+    return None
+
+
 def served_space(pods: list[dict]) -> str | None:
     """The embedding space(s) the ready pods serve, from their prepare steps' reports (comma-separated, newest
     first, when they disagree); None when none reports one."""

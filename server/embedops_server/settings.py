@@ -102,6 +102,10 @@ class Settings(EnvironmentSettings):
     model_id: str = Field("", description="local model folder (Hugging Face layout)")
     revision: str = Field("main", description="hub revision (branch, tag or commit) looked up in the Hugging Face "
                           "cache; /info reports the commit served as model_sha")
+    pinned_revision: str | None = Field(
+        None, pattern=r"^[0-9a-f]{40}$", description="the commit to load instead of --revision's: the one the first "
+        "replica of this embedding space resolved, so that every later replica loads the same weights (the "
+        "operator sets it from a ConfigMap; unset: --revision)")
     pooling: str | None = Field(None, description="cls | mean | splade | last-token (default: from "
                                 "1_Pooling/config.json)")
     dtype: Literal["float32", "float16", "bfloat16"] | None = Field(
@@ -177,8 +181,13 @@ class Settings(EnvironmentSettings):
                                           "(comma-separated, or *); preflights allow Authorization as well as "
                                           "Content-Type. Default: no CORS headers")
 
+    @property
+    def model_revision(self) -> str:
+        """What the model is loaded at: the pinned commit, else --revision."""
+        return self.pinned_revision or self.revision
+
     @field_validator("max_forward_tokens", "max_input_length", "max_batch_requests", "tokenization_workers",
-                     "num_threads", "dtype", "quantize", mode="before")
+                     "num_threads", "dtype", "quantize", "pinned_revision", mode="before")
     @classmethod
     def none_means_default(cls, value: Any) -> Any:
         """`none` (or an empty value) on the command line means the default None, as TEI's optional flags do."""

@@ -402,3 +402,24 @@ def test_a_shared_cache_keeps_an_entry_another_process_holds_or_used_lately(tmp_
     assert onnx_export.prune_stale(cache, keep=new_entry,
                                    now=os.path.getmtime(old_entry / onnx_export.USED_FILE) + past) == [old_entry]
     assert not old_entry.exists() and new_entry.is_dir()
+
+
+def test_a_pinned_revision_loads_that_commit_whatever_the_branch_says_now(tmp_path, monkeypatch):
+    """Issue 52: every replica of a space loads the commit its first replica resolved. The operator passes it as
+    PINNED_REVISION (from a ConfigMap); the branch in --revision (main) has moved on in the cache meanwhile."""
+    from embedops_server.settings import Settings
+
+    hub = tmp_path / "hub"
+    first, later = "a" * 40, "b" * 40
+    for sha, hidden in ((first, 64), (later, 32)):
+        build_m3_folder(hub / "models--acme--m3" / "snapshots" / sha, hidden=hidden, layers=1)
+    (hub / "models--acme--m3" / "refs").mkdir()
+    (hub / "models--acme--m3" / "refs" / "main").write_text(later)
+    monkeypatch.setenv("HUGGINGFACE_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    s = Settings(model_id="acme/m3", pinned_revision=first)
+    assert s.revision == "main" and s.model_revision == first
+    assert load_model_info(s.model_id, None, s.model_revision).commit == first
+    assert load_model_info("acme/m3", None, Settings(model_id="acme/m3").model_revision).commit == later
+    with pytest.raises(Exception, match="pinned_revision"):
+        Settings(model_id="acme/m3", pinned_revision="main")  # a commit, nothing else

@@ -175,7 +175,9 @@ def test_model_download_init_container():
     out = render(spec)
     pod = pod_spec(out)
     init = pod["initContainers"][0]
-    assert init["command"][:2] == ["sh", "-c"] and "hf download BAAI/bge-m3 --revision r1 " in init["command"][2]
+    # a branch or tag, not a commit: the track's pinned commit wins once its first replica resolved one
+    assert init["command"][:2] == ["sh", "-c"] and 'rev="${PINNED_REVISION:-}"; [ -n "$rev" ] || rev=r1; ' \
+        'hf download BAAI/bge-m3 ${rev:+--revision "$rev"} ' in init["command"][2]
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in init["env"]
     assert init["securityContext"]["readOnlyRootFilesystem"] is True
     assert {"name": "model-cache", "emptyDir": {"sizeLimit": "30Gi"}} in pod["volumes"]
@@ -665,3 +667,39 @@ def test_each_space_has_its_own_routes_on_the_gateway_during_a_migration():
     assert R.space_gateway_path(R.parse_resource(defaulted(es(spec))).spec, "bbbbbbbb") == "/emb/spaces/bbbbbbbb"
     # no migration: no space routes
     assert [m["metadata"]["name"] for m in R.render(defaulted(es(spec)), R.Options()) if m["kind"] == "HTTPRoute"] == ["svc"]
+
+
+def test_every_replica_of_a_hub_model_reads_the_commit_its_first_replica_resolved(tmp_path):
+    """Issue 52: with model.revision unset (or a branch), each new pod resolved the branch when it started, so after
+    an upstream commit one address answered from two spaces. From template revision 5 the download step, the
+    prepare step and the server read PINNED_REVISION from the track's ConfigMap (optional: absent until the first
+    replica resolved one). The download script is run here with a stand-in `hf` that records its arguments."""
+    import subprocess
+
+    spec = copy.deepcopy(CPU)
+    spec["model"] = {"id": "BAAI/bge-m3", "source": {"download": {}}}
+    pod = pod_spec(render(spec))
+    ref = {"name": "PINNED_REVISION", "valueFrom": {"configMapKeyRef": {"name": "svc-model-commit", "key": "commit",
+                                                                         "optional": True}}}
+    for c in pod["initContainers"] + pod["containers"]:
+        assert ref in c["env"], c["name"]
+    script = pod["initContainers"][0]["command"][2]
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "hf").write_text('#!/bin/sh\necho "$@" >> "$CALLS"\n')
+    (fake / "hf").chmod(0o755)
+
+    def run(env):
+        calls = tmp_path / "calls"
+        calls.unlink(missing_ok=True)
+        subprocess.run(["sh", "-c", script], check=True, env={"PATH": f"{fake}:/usr/bin:/bin", "CALLS": str(calls),
+                                                               **env})
+        return calls.read_text().splitlines()[0]
+    assert run({}).startswith("download BAAI/bge-m3 --include")  # nothing pinned yet: what the hub's main names
+    assert run({"PINNED_REVISION": "a" * 40}).startswith(f"download BAAI/bge-m3 --revision {'a' * 40} --include")
+    # a commit in the spec, or a local folder: nothing to pin
+    for model in ({"id": "BAAI/bge-m3", "revision": "b" * 40, "source": {"download": {}}}, {"id": "/models/m"}):
+        spec["model"] = model
+        pod = pod_spec(render(spec))
+        assert not [e for c in pod.get("initContainers", []) + pod["containers"] for e in c["env"]
+                    if e["name"] == "PINNED_REVISION"], model

@@ -430,3 +430,35 @@ def test_an_autoscaled_service_promotes_a_space_of_the_size_that_serves_and_scal
     ready(kube, "svc")
     rec.reconcile("ml", "svc")
     assert serving(kube) == "svc" and "RolledBack" in [e[2] for e in kube.events]
+
+
+def test_a_track_pins_the_commit_its_first_replica_loaded_once(kube):
+    """Issue 52 (one space, one set of weights): a hub model without a commit in model.revision. Once its first
+    replica is ready and reported the commit it loaded, that commit goes into the ConfigMap every later pod of the
+    track reads (owned by the track's Deployment) and into the Deployment's record; then nothing more is written."""
+    import json as _json
+
+    from embedops_operator.reconcile import ANNOTATION_MODEL_COMMIT
+
+    spec = copy.deepcopy(CPU)
+    spec["model"] = {"id": "BAAI/bge-small-en-v1.5", "source": {"download": {}}}
+    rec = start(kube, spec, replicas=2)
+    assert ("v1", "ConfigMap", "ml", "svc-model-commit") not in kube.objects  # no replica reported one yet
+    first, later = "a" * 40, "b" * 40
+    for i, (sha, created) in enumerate(((later, "2026-12-07T06:00:05Z"), (first, "2026-12-07T06:00:00Z"))):
+        kube.objects[("v1", "Pod", "ml", f"svc-{i}")] = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"svc-{i}", "namespace": "ml", "creationTimestamp": created,
+                         "labels": {R.LABEL_SERVICE: "svc", R.LABEL_INSTANCE: "svc", R.LABEL_NAME: "embedops-server"}},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}], "initContainerStatuses": [
+                {"name": "prepare", "state": {"terminated": {"message": "prepared " + _json.dumps(
+                    {"space": "s" + sha[:3], "commit": sha})}}}]}}
+    rec.reconcile("ml", "svc")
+    cm = kube.objects[("v1", "ConfigMap", "ml", "svc-model-commit")]
+    assert cm["data"] == {"commit": first}  # the oldest replica's
+    assert cm["metadata"]["ownerReferences"][0]["kind"] == "Deployment"
+    assert kube.objects[(*DEP, "svc")]["metadata"]["annotations"][ANNOTATION_MODEL_COMMIT] == first
+    assert spaces(kube)["serving"]["commit"] == first
+    writes = kube.writes
+    rec.reconcile("ml", "svc")
+    assert kube.writes == writes  # recorded once

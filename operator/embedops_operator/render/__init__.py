@@ -27,8 +27,9 @@ from .litellm_entries import litellm_config_map, litellm_key
 from .monitoring import service_monitor
 from .network_policy import NAMESPACE_NAME_LABEL, network_policy
 from .pod import (
-    DEFAULT_CACHE_SIZE, DEFAULT_MODEL_CACHE, LOG_STORAGE, MODEL_FILES, ONNX_CACHE, ONNX_FILES, batch_port,
-    container_security, download_script, ephemeral_storage, model_cache_size, pod_template, sizing_of)
+    DEFAULT_CACHE_SIZE, DEFAULT_MODEL_CACHE, LOG_STORAGE, MODEL_FILES, ONNX_CACHE, ONNX_FILES, PINNED_REVISION,
+    batch_port, commit_config_map, container_security, download_script, ephemeral_storage, model_cache_size,
+    pins_commit, pod_template, sizing_of)
 from .reindex import reindex_digest, reindex_job, reindex_job_name
 from .routes import OUTPUT_PATHS, ROUTE_PATHS, http_route, route_paths, space_gateway_path
 from .workload import batch_service, deployment, pdb, pin_annotations, service, space_service

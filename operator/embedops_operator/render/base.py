@@ -79,6 +79,8 @@ TEMPLATE_REVISIONS = {
     3: "spec.lanes: the server's lane flags, and its batch port for lanes.batchService",
     4: "the CPU memory estimate behind requests and limits counts the tokenizers the server holds (workers + 1) "
        "and int8's loading peak (memory.ESTIMATE_REVISION)",
+    5: "a hub model without a commit in model.revision: every container that resolves it reads PINNED_REVISION "
+       "from the track's `<track>-model-commit` ConfigMap (optional), the commit its first replica resolved",
 }
 TEMPLATE_REVISION = max(TEMPLATE_REVISIONS)
 ANNOTATION_TEMPLATE_REVISION = "embedops.dev/template-revision"

@@ -1,6 +1,7 @@
 """The model server's pod template: container, arguments, environment, probes, volumes, the prepare step."""
 from __future__ import annotations
 
+import re
 import shlex
 from typing import Any
 
@@ -109,6 +110,28 @@ def _args(spec: EmbeddingServiceSpec, revision: int = TEMPLATE_REVISION) -> list
     return args
 
 
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
+PINNED_REVISION = "PINNED_REVISION"  # the server's variable for the commit to load (overrides --revision)
+
+
+def pins_commit(spec: EmbeddingServiceSpec) -> bool:
+    """Whether the pods resolve the model's commit when they start (a hub model whose model.revision names no
+    commit): then each reads the commit its track's first replica resolved, so one space loads one set of weights
+    (issue 52). A local folder is what its volume holds; a commit is pinned by the spec itself."""
+    m = spec.model
+    return not m.id.startswith(("/", ".")) and not (m.revision and COMMIT.match(m.revision))
+
+
+def commit_config_map(track: str) -> str:
+    """The ConfigMap holding the commit a track's first replica resolved (key `commit`), read by its pods."""
+    return f"{track[:49]}-model-commit"
+
+
+def _pinned_env(track: str) -> dict:
+    return {"name": PINNED_REVISION, "valueFrom": {"configMapKeyRef": {
+        "name": commit_config_map(track), "key": "commit", "optional": True}}}
+
+
 def _env(spec: EmbeddingServiceSpec, cache_dir: str | None, api_key: bool = True) -> list[dict]:
     env: list[dict] = [
         {"name": "HOME", "value": "/tmp"},
@@ -179,6 +202,8 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: P
     gpu = not spec.accelerator.cpu
     image = spec.image or pin.image or (options.cuda_image if gpu else options.cpu_image)
     revision = pin.revision
+    # every container that resolves the model reads the track's commit (unless the manifest sets the variable itself)
+    pinned = revision >= 5 and pins_commit(spec) and PINNED_REVISION not in {e.get("name") for e in spec.env or []}
     volumes: list[dict] = [{"name": "tmp", "emptyDir": {"sizeLimit": "2Gi"}}]
     mounts: list[dict] = [{"name": "tmp", "mountPath": "/tmp"}]
     init: list[dict] = []
@@ -204,10 +229,12 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: P
             if src.download.hf_token_secret_ref:
                 ref = src.download.hf_token_secret_ref
                 dl_env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+            if pinned:
+                dl_env.append(_pinned_env(name))
             init.append({
                 "name": "download-model",
                 "image": src.download.image or image,
-                "command": ["sh", "-c", download_script(spec, quote_cache=revision >= 1)],
+                "command": ["sh", "-c", download_script(spec, quote_cache=revision >= 1, pinned=pinned)],
                 "env": dl_env,
                 "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": "model-cache", "mountPath": "/models"}],
                 "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
@@ -226,7 +253,9 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: P
     # the server only reads what the prepare step made: a server that would write there is a bug, not a fallback
     server_mounts = mounts + [{**cache_mount, "readOnly": True}]
     # the prepare step answers no request: it has no use for the API key (revision 1)
-    init.append(_prepare_container(spec, image, _args(spec, revision), _env(spec, cache_dir, api_key=revision < 1),
+    server_env = _env(spec, cache_dir) + ([_pinned_env(name)] if pinned else [])
+    prepare_env = _env(spec, cache_dir, api_key=revision < 1) + ([_pinned_env(name)] if pinned else [])
+    init.append(_prepare_container(spec, image, _args(spec, revision), prepare_env,
                                    [dict(m) for m in mounts] + [cache_mount], est))
     if gpu:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}})
@@ -237,7 +266,7 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: P
         "image": image,
         "command": ["embedops-server"],
         "args": _args(spec, revision),
-        "env": _env(spec, cache_dir),
+        "env": server_env,
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}] + (
             [{"name": "batch", "containerPort": BATCH_PORT, "protocol": "TCP"}] if batch_port(spec, revision) else []),
         "resources": _resources(spec, est),
@@ -303,15 +332,22 @@ MODEL_FILES = ("*.json", "*.txt", "*.model", "1_Pooling/*", "sparse_linear.pt", 
 ONNX_FILES = ("onnx/model.onnx", "onnx/model.onnx_data", "model.onnx", "model.onnx_data")
 
 
-def download_script(spec: EmbeddingServiceSpec, hub: str = "/models/hub", quote_cache: bool = True) -> str:
+def download_script(spec: EmbeddingServiceSpec, hub: str = "/models/hub", quote_cache: bool = True,
+                    pinned: bool = False) -> str:
     """The download init container's `sh -c`: `hf download` of only the files the server will load, not the
     whole repository (BAAI/bge-m3 ships its weights twice, as torch weights and as onnx/model.onnx + data: 4.5
     GB where 2.3 GB serve). ONNX Runtime (CPU, float32 or int8): the ONNX graph, else, for a repository
     without one, the safetensors the prepare step exports. torch (GPU, float16): the safetensors, else the
-    .bin weights. `model.revision` pins the commit. What arrived is read from the hub cache's snapshot folder
+    .bin weights. `model.revision` pins the commit; `pinned` (template revision 5): $PINNED_REVISION, the commit the
+    track's first replica resolved, wins over it when set. What arrived is read from the hub cache's snapshot folder
     (HF_HUB_CACHE=/models/hub), not from hf's output, whose format changes between versions."""
     m = spec.model
     base = "hf download " + shlex.quote(m.id) + (f" --revision {shlex.quote(m.revision)}" if m.revision else "")
+    first_line = ""
+    if pinned:
+        first_line = f'rev="${{{PINNED_REVISION}:-}}"; ' + (f'[ -n "$rev" ] || rev={shlex.quote(m.revision)}; '
+                                                              if m.revision else "")
+        base = "hf download " + shlex.quote(m.id) + ' ${rev:+--revision "$rev"}'
     include = lambda patterns: " ".join("--include " + shlex.quote(p) for p in patterns)  # noqa: E731
     snapshots = f"{hub}/models--{m.id.replace('/', '--')}/snapshots/*"
     if memory.runs_onnx(spec):
@@ -323,7 +359,7 @@ def download_script(spec: EmbeddingServiceSpec, hub: str = "/models/hub", quote_
         found = " ".join(f"{cache}/snapshots/*/{h}" for h in have)
     else:  # revision 0 (the model id's pattern in the CRD keeps shell syntax out of it since)
         found = " ".join(f"{snapshots}/{h}" for h in have)
-    return (f"set -eu; {base} {include(MODEL_FILES + first)}; have=0; "
+    return (f"set -eu; {first_line}{base} {include(MODEL_FILES + first)}; have=0; "
             f"for f in {found}; do if [ -e \"$f\" ]; then have=1; fi; done; "
             f"if [ $have = 0 ]; then {base} {include(fallback)}; fi")
 
