@@ -161,6 +161,14 @@ class Settings(EnvironmentSettings):
     api_key: str | None = Field(None, repr=False, description="require `Authorization: Bearer <key>` on "
                                 "inference routes")
     payload_limit: int = Field(2_000_000, ge=1, description="maximum request body in bytes")
+    max_header_bytes: int = Field(64 * 1024, ge=1024, description="request line and header fields in bytes (431 "
+                                  "beyond)")
+    max_headers: int = Field(100, ge=1, description="header fields per request (431 beyond)")
+    request_timeout: float = Field(30.0, gt=0, description="seconds to receive a whole request, headers and body, "
+                                   "from its first byte or the connection's start (408 and the connection closed "
+                                   "beyond): a slow client holds no connection or admission slot for long")
+    max_connections: int = Field(2048, ge=1, description="open connections (requests included) before a new "
+                                 "request is answered 503")
     hostname: str = Field("0.0.0.0", description="address to bind (the variable HOSTNAME counts only when it is "
                           "an IP address: Kubernetes sets it to the pod's name)")
     port: int = Field(8080, ge=0, le=65535, description="port for the API, /health and /metrics")

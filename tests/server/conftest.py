@@ -19,11 +19,10 @@ import pytest
 
 from embedops_server.asgi import listening_socket
 from embedops_server.router.app import create_app
-from embedops_server.router.server import DrainingServer
+from embedops_server.router.server import DrainingServer, server_config
 from embedops_server.settings import Settings
 from localcluster.models import minilm_dir, minilm_onnx_dir, splade_dir
 
-import uvicorn
 
 TEXTS = [
     "Hello world",
@@ -72,8 +71,7 @@ def run_server(wait: bool = True, **kw):
     kw.setdefault("hostname", "127.0.0.1")
     settings = Settings(**{"port": free_port(), **kw})  # a caller may name the port (an activator's backend)
     app = create_app(settings)
-    config = uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_config=None, access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=5)
+    config = server_config(app, settings, host="127.0.0.1", timeout_graceful_shutdown=5)
     server = DrainingServer(config, app.fastapi.state.embedops)
     sockets = None
     if settings.batch_port:  # as router/server.py's serve: one server on both ports

@@ -81,8 +81,10 @@ class Trickler(threading.Thread):
 
 @pytest.mark.slow
 def test_trickling_clients_hold_no_admission_budget_or_inference_slot():
+    # (the request deadline, which closes such clients at --request-timeout, is test_http_limits.py's: here they
+    # must finish, to show what they hold meanwhile)
     with run_server(model_id=str(minilm_dir()), backend="torch", max_concurrent_requests=BUDGET,
-                    max_client_batch_size=BUDGET, batch_lane_share=1.0) as (url, st):
+                    max_client_batch_size=BUDGET, batch_lane_share=1.0, request_timeout=3 * TRICKLE_S) as (url, st):
         engine = st.service.engine
         # each ends 2 s after the previous one, so that their requests, each needing the whole budget, do not
         # compete with each other (or with ours, which stop 3 s before the first ends) once complete

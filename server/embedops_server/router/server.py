@@ -13,6 +13,7 @@ from ..asgi import listening_socket
 from ..core.model_info import ModelError
 from ..settings import Settings, Tuning
 from .app import create_app
+from .http_limits import HttpLimits, LimitedHttpToolsProtocol
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,18 @@ def write_termination_message(message: str, path: str | None = None) -> None:
         pass  # not in a pod (or not writable): the log line already says it
 
 
+def server_config(app, settings: Settings, **overrides) -> uvicorn.Config:
+    """uvicorn's configuration of the server (the tests' servers use it too): the HTTP limits of `HttpLimits` on
+    its httptools protocol, and at most --max-connections connections."""
+    config = uvicorn.Config(
+        app, **{"host": settings.hostname, "port": settings.port, "log_config": None, "access_log": False,
+                "timeout_graceful_shutdown": settings.graceful_shutdown_timeout, "lifespan": "on",
+                "backlog": max(2048, settings.max_concurrent_requests * 2), "timeout_keep_alive": 30,
+                "http": LimitedHttpToolsProtocol, "limit_concurrency": settings.max_connections, **overrides})
+    config.http_limits = HttpLimits(settings.max_header_bytes, settings.max_headers, settings.request_timeout)
+    return config
+
+
 def serve(settings: Settings) -> None:
     failed: list[BaseException] = []
     server: DrainingServer | None = None
@@ -81,12 +94,7 @@ def serve(settings: Settings) -> None:
             server.should_exit = True
 
     app = create_app(settings, on_model_error=model_error)
-    config = uvicorn.Config(
-        app, host=settings.hostname, port=settings.port, log_config=None, access_log=False,
-        timeout_graceful_shutdown=settings.graceful_shutdown_timeout, lifespan="on",
-        backlog=max(2048, settings.max_concurrent_requests * 2), timeout_keep_alive=30,
-    )
-    server = DrainingServer(config, app.fastapi.state.embedops)
+    server = DrainingServer(server_config(app, settings), app.fastapi.state.embedops)
     if settings.batch_port:  # the batch lane's own address: one server, two ports (AppState.lane)
         server.run(sockets=[listening_socket(settings.hostname, settings.port),
                             listening_socket(settings.hostname, settings.batch_port)])
