@@ -38,6 +38,7 @@ import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .asgi import BodyTooLarge, listening_socket, read_body
+from .router.http_limits import HttpLimits, LimitedHttpToolsProtocol
 from .cli import load_settings, settings_parser
 from .settings import ActivatorSettings
 
@@ -48,10 +49,11 @@ log = logging.getLogger("embedops.activator")
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                         "trailer", "trailers", "transfer-encoding", "upgrade"})
 REQUEST_SKIP = HOP_BY_HOP | {"host", "content-length"}
-# Failures that mean the request never reached a server: no endpoint behind the backend Service (refused),
-# a pod going away before it answered. The server's routes are pure functions of their input, so sending
-# such a request again cannot do anything twice.
-NOT_DELIVERED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError)
+# Failures that mean the request never reached a server: no endpoint behind the backend Service (refused), no
+# connection in time. Only these are held and sent again. A connection closed without an answer after the request
+# was sent (RemoteProtocolError) may be a replica that died of this very request (out of memory): sent again, it
+# would kill each replica in turn, so it is answered 502 (issue 53).
+NOT_DELIVERED = (httpx.ConnectError, httpx.ConnectTimeout)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -122,29 +124,25 @@ class Activator:
         now = time.monotonic()
         self._started.append(now)
         self._recent(now)
-        self.in_flight += 1
+        response = await self._open(method, target, headers, body)
+        if isinstance(response, tuple):
+            await _respond(send, *response)
+            return
         try:
-            response = await self._open(method, target, headers, body)
-            if isinstance(response, tuple):
-                await _respond(send, *response)
-                return
-            try:
-                await send({"type": "http.response.start", "status": response.status_code,
-                            "headers": [(k.encode("latin-1"), v.encode("latin-1"))
-                                        for k, v in response.headers.multi_items() if k.lower() not in HOP_BY_HOP]})
-                # raw bytes, streamed: the body is passed on as the replica encoded it, never held whole (an
-                # /embed_hybrid answer runs to tens of MB)
-                async for chunk in response.aiter_raw():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b""})
-                self.requests.labels("forwarded").inc()
-            except httpx.HTTPError as exc:  # the replica went away mid-answer: the client sees a cut response
-                self.requests.labels("broken").inc()
-                log.warning("answer from %s broken off: %s: %s", self.backend, type(exc).__name__, exc)
-            finally:
-                await response.aclose()
+            await send({"type": "http.response.start", "status": response.status_code,
+                        "headers": [(k.encode("latin-1"), v.encode("latin-1"))
+                                    for k, v in response.headers.multi_items() if k.lower() not in HOP_BY_HOP]})
+            # raw bytes, streamed: the body is passed on as the replica encoded it, never held whole (an
+            # /embed_hybrid answer runs to tens of MB)
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            self.requests.labels("forwarded").inc()
+        except httpx.HTTPError as exc:  # the replica went away mid-answer: the client sees a cut response
+            self.requests.labels("broken").inc()
+            log.warning("answer from %s broken off: %s: %s", self.backend, type(exc).__name__, exc)
         finally:
-            self.in_flight -= 1
+            await response.aclose()
 
     async def _open(self, method: str, target: str, headers: list[tuple[bytes, bytes]], body: bytes):
         """The backend's streaming response, or (status, headers, body) of the activator's own error."""
@@ -173,6 +171,11 @@ class Activator:
                         self.held += 1
                         log.info("no ready replica behind %s (%s): holding %s %s", self.backend,
                                  type(exc).__name__, method, target)
+                except httpx.RemoteProtocolError as exc:  # sent, then the connection closed without an answer
+                    self.requests.labels("backend_error").inc()
+                    log.warning("request to %s: the connection closed without an answer: %s", self.backend, exc)
+                    return _error(502, "BadGateway", "the replica closed the connection without answering (it "
+                                  "may have failed on this request, so it is not sent again)")
                 except httpx.TimeoutException as exc:  # sent, and no answer within --request-timeout
                     self.requests.labels("backend_error").inc()
                     return _error(504, "GatewayTimeout", f"the replica did not answer within "
@@ -231,6 +234,14 @@ class App:
             await _respond(send, *_error(429, "Overloaded", f"the activator holds {act.in_flight} requests, its "
                                          "limit; retry later", retry_after=2))
             return
+        # counted from here, before its body is read: a request still uploading holds a place too (issue 53)
+        act.in_flight += 1
+        try:
+            await self._proxy(scope, receive, send)
+        finally:
+            act.in_flight -= 1
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             body = await read_body(receive, self.activator.max_body)
         except BodyTooLarge:
@@ -310,7 +321,8 @@ def main(argv: list[str] | None = None) -> None:
                           max_in_flight=args.max_in_flight, max_held=args.max_held, api_key=args.api_key or None)
     sockets = [listening_socket(args.hostname, args.port), listening_socket(args.hostname, args.admin_port)]
     config = uvicorn.Config(App(activator, args.admin_port), lifespan="on", access_log=False, log_level="warning",
-                            timeout_graceful_shutdown=30)
+                            timeout_graceful_shutdown=30, http=LimitedHttpToolsProtocol, limit_concurrency=2048)
+    config.http_limits = HttpLimits()  # the server's defaults: 431, 408 at 30 s
     log.info("forwarding :%d to %s, admin on :%d", args.port, args.backend, args.admin_port)
     uvicorn.Server(config).run(sockets=sockets)
 

@@ -191,3 +191,43 @@ def test_held_and_in_flight_requests_are_capped_with_429_and_retry_after():
         assert results == ["held", "held"]
         metrics = httpx.get(admin + "/metrics", timeout=5).text
         assert 'embedops_activator_requests_total{outcome="overloaded"} 1.0' in metrics
+
+
+def test_a_request_a_replica_took_and_never_answered_is_not_sent_again():
+    """Issue 53: a connection closed without an answer after the request was sent counted as 'not delivered', so the
+    activator sent it again every 0.25 s for up to its activation timeout: a request that kills a replica by memory
+    would kill each replica in turn. Now only a refused connection is held and retried; this is answered 502."""
+    taken: list[bytes] = []
+    server = socket.create_server(("127.0.0.1", 0))
+    backend = server.getsockname()[1]
+
+    def die_on_each_request():  # a replica that reads a request, then dies (the OOM killer) without answering
+        server.settimeout(20)
+        while True:
+            try:
+                conn, _ = server.accept()
+            except (socket.timeout, OSError):
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                if data:
+                    taken.append(data)
+    t = threading.Thread(target=die_on_each_request, daemon=True)
+    t.start()
+    try:
+        with activator(backend, "--activation-timeout", "10") as (url, admin):
+            t0 = time.monotonic()
+            r = httpx.post(url + "/embed", json={"inputs": ["too big for any replica"]}, timeout=30)
+            took = time.monotonic() - t0
+            assert r.status_code == 502 and r.json()["error_type"] == "BadGateway", r.text
+            assert "not sent again" in r.json()["error"] and took < 5, took
+            time.sleep(1)
+            assert len(taken) == 1, len(taken)  # sent once, never again
+            assert demand(admin)["in_flight"] == 0
+    finally:
+        server.close()
