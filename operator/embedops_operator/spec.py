@@ -7,6 +7,7 @@ when they drift.
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
@@ -295,14 +296,83 @@ class Rollout(Model):
     max_unavailable: IntOrPercent | None = None
 
 
+# What the reindex Job's pod may ask for (issue 53): what an ingestion job needs, nothing that widens its reach.
+# The operator refuses the rest (InvalidSpec) whether or not the platform's admission policy is on.
+REINDEX_POD_FIELDS = frozenset({"containers", "volumes", "restartPolicy", "serviceAccountName",
+                                "automountServiceAccountToken", "nodeSelector", "tolerations", "imagePullSecrets",
+                                "securityContext", "activeDeadlineSeconds", "terminationGracePeriodSeconds"})
+REINDEX_CONTAINER_FIELDS = frozenset({"name", "image", "imagePullPolicy", "command", "args", "workingDir", "env",
+                                      "envFrom", "resources", "volumeMounts", "securityContext"})
+REINDEX_VOLUME_SOURCES = frozenset({"configMap", "secret", "emptyDir", "persistentVolumeClaim"})
+# what a restricted container's securityContext may say (Pod Security "restricted"): no privilege, no added
+# capability but NET_BIND_SERVICE, no escalation
+REINDEX_SECURITY_FIELDS = frozenset({"runAsNonRoot", "runAsUser", "runAsGroup", "readOnlyRootFilesystem",
+                                     "allowPrivilegeEscalation", "capabilities", "seccompProfile"})
+# variables that make an allowed image run other code (an interpreter's or loader's search path into a volume the
+# author fills): refused in every env the manifest shapes
+LOADER_VARIABLE = re.compile(r"^(PYTHON\w*|LD_\w+|DYLD_\w+|PERL5?LIB|PERL5OPT|RUBYLIB|RUBYOPT|NODE_OPTIONS|NODE_PATH|"
+                             r"JAVA_TOOL_OPTIONS|_JAVA_OPTIONS|JDK_JAVA_OPTIONS|CLASSPATH|BASH_ENV|ENV|GCONV_PATH)$")
+
+
+def refuse_loader_variables(env: list[dict] | None, where: str) -> None:
+    bad = sorted({e.get("name", "") for e in env or [] if LOADER_VARIABLE.match(e.get("name") or "")})
+    if bad:
+        raise ValueError(f"{where}: {', '.join(bad)} would make the image load code of the manifest's choosing "
+                         "(an interpreter's or loader's search path); not allowed")
+
+
+def refuse_unrestricted_pod(template: dict) -> None:
+    """The reindex Job's pod template within REINDEX_*: raises ValueError naming the first field outside it."""
+    where = "migration.reindex.template"
+    if not isinstance(template, dict) or set(template) - {"metadata", "spec"}:
+        raise ValueError(f"{where}: a pod template has metadata and spec only")
+    meta = template.get("metadata") or {}
+    if set(meta) - {"labels", "annotations"}:
+        raise ValueError(f"{where}.metadata: labels and annotations only")
+    pod = template.get("spec") or {}
+    extra = sorted(set(pod) - REINDEX_POD_FIELDS)
+    if extra:  # serviceAccount (the deprecated alias), initContainers, hostNetwork, priorityClassName, ...
+        raise ValueError(f"{where}.spec: {', '.join(extra)} not allowed (allowed: "
+                         f"{', '.join(sorted(REINDEX_POD_FIELDS))})")
+    ctx = pod.get("securityContext") or {}
+    if set(ctx) - {"runAsNonRoot", "runAsUser", "runAsGroup", "fsGroup", "seccompProfile"}:
+        raise ValueError(f"{where}.spec.securityContext: runAsNonRoot, runAsUser, runAsGroup, fsGroup and "
+                         "seccompProfile only")
+    for i, c in enumerate(pod.get("containers") or []):
+        at = f"{where}.spec.containers[{i}]"
+        extra = sorted(set(c) - REINDEX_CONTAINER_FIELDS)
+        if extra:
+            raise ValueError(f"{at}: {', '.join(extra)} not allowed")
+        refuse_loader_variables(c.get("env"), f"{at}.env")
+        sc = c.get("securityContext") or {}
+        if set(sc) - REINDEX_SECURITY_FIELDS or sc.get("allowPrivilegeEscalation") is True or \
+                set((sc.get("capabilities") or {}).get("add") or []) - {"NET_BIND_SERVICE"}:
+            raise ValueError(f"{at}.securityContext: privileged, added capabilities and privilege escalation are "
+                             "not allowed")
+    for i, v in enumerate(pod.get("volumes") or []):
+        sources = set(v) - {"name"}
+        if not sources or sources - REINDEX_VOLUME_SOURCES:
+            raise ValueError(f"{where}.spec.volumes[{i}]: configMap, secret, emptyDir or persistentVolumeClaim only")
+
+
 class Reindex(Model):
     """A Job the operator runs against a new embedding space before it serves: the user's own ingestion image,
     re-embedding the corpus into the new space's table or column through the space's own address. It gets
     EMBEDOPS_SPACE (the space's key), EMBEDOPS_SPACE_URL (its Service), EMBEDOPS_SPACE_FINGERPRINT (what its
     responses' embedding-space header says) and EMBEDOPS_PREVIOUS_SPACE (the key that serves meanwhile)."""
-    template: FreeObject = Field(description="The Job's pod template (a PodTemplateSpec: metadata and spec).")
+    template: FreeObject = Field(description=(
+        "The Job's pod template (a PodTemplateSpec: metadata and spec), within what an ingestion job needs: "
+        "containers (image, command, args, env, envFrom, resources, volumeMounts, a restricted securityContext), "
+        "volumes from ConfigMaps, Secrets, emptyDir and PVCs, serviceAccountName, nodeSelector, tolerations, "
+        "imagePullSecrets. Anything else (init containers, host namespaces, privileges, the serviceAccount alias) "
+        "is refused; its pods get no service-account token unless it names an account."))
     backoff_limit: int = Field(2, ge=0, le=100, description="Retries before the Job (and the migration) fails.")
     active_deadline_seconds: int | None = Field(None, ge=1, description="The Job's time limit.")
+
+    @model_validator(mode="after")
+    def _restricted(self) -> "Reindex":
+        refuse_unrestricted_pod(self.template)
+        return self
 
 
 class Migration(Model):
@@ -477,6 +547,11 @@ class EmbeddingServiceSpec(Model):
     pod_annotations: dict[str, str] | None = None
     service_account_name: str | None = None
     image_pull_secrets: list[LocalObjectReference] | None = None
+
+    @model_validator(mode="after")
+    def _no_loader_variables(self) -> "EmbeddingServiceSpec":
+        refuse_loader_variables(self.env, "env")
+        return self
 
     @model_validator(mode="after")
     def _admissible_batch(self) -> "EmbeddingServiceSpec":

@@ -135,3 +135,51 @@ def test_a_client_batch_the_server_could_never_admit_is_refused():
     from embedops_operator.spec import parse
     with pytest.raises(Exception, match="batch lane's share"):
         parse(es(with_(MIG, batching={"maxConcurrentRequests": 40})))
+
+
+def test_the_reindex_pod_and_every_env_stay_within_what_an_ingestion_job_needs():
+    """Issue 53's side doors, refused by the operator itself (InvalidSpec: it renders nothing) whether or not the
+    platform's admission policy is on: the reindex Job's pod template is an allowlist, and no env may point an
+    interpreter or loader at code of the manifest's choosing."""
+    from embedops_operator.spec import parse
+
+    job = {"containers": [{"name": "ingest", "image": "acme/ingest:1", "env": [{"name": "TABLE", "value": "t"}],
+                           "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}],
+           "volumes": [{"name": "app", "configMap": {"name": "scripts"}}], "serviceAccountName": "ingest"}
+
+    def with_job(**change):
+        pod = copy.deepcopy(job)
+        for k, v in change.items():
+            if k.startswith("c_"):
+                pod["containers"][0][k[2:]] = v
+            else:
+                pod[k] = v
+        return with_(CPU, migration={"reindex": {"template": {"spec": pod}}})
+    parse(es(with_job()))  # what an ingestion job needs: accepted
+    probes = {
+        "serviceAccount": with_job(serviceAccount="admin"),  # the alias the API server copies
+        "initContainers": with_job(initContainers=[{"name": "x", "image": "a", "securityContext": {"privileged": True}}]),
+        "hostNetwork": with_job(hostNetwork=True),
+        "priorityClassName": with_job(priorityClassName="system-node-critical"),
+        "privileged": with_job(c_securityContext={"privileged": True}),
+        "SYS_ADMIN": with_job(c_securityContext={"capabilities": {"add": ["SYS_ADMIN"]}}),
+        "configMap, secret, emptyDir or persistentVolumeClaim": with_job(volumes=[{"name": "h", "hostPath": {"path": "/"}}]),
+        "LD_PRELOAD": with_job(c_env=[{"name": "LD_PRELOAD", "value": "/models/x.so"}]),
+        "PYTHONPATH": with_(CPU, env=[{"name": "PYTHONPATH", "value": "/models/evil"}]),
+    }
+    for said, spec in probes.items():
+        with pytest.raises(Exception) as err:
+            parse(es(spec))
+        assert said in str(err.value) or "not allowed" in str(err.value), (said, str(err.value)[:300])
+
+
+def test_the_reindex_jobs_pod_gets_no_token_unless_it_names_an_account():
+    from embedops_operator import render as R
+
+    template = {"spec": {"containers": [{"name": "ingest", "image": "acme/ingest:1"}]}}
+    env = {"EMBEDOPS_SPACE": "abcd1234"}
+    spec = S.parse(es(with_(CPU, migration={"reindex": {"template": template}}))).spec
+    assert R.reindex_job("svc", "ml", spec, None, env)["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    template["spec"]["serviceAccountName"] = "ingest"
+    spec = S.parse(es(with_(CPU, migration={"reindex": {"template": template}}))).spec
+    assert "automountServiceAccountToken" not in R.reindex_job("svc", "ml", spec, None, env)["spec"]["template"]["spec"]

@@ -18,6 +18,9 @@ def reindex_job(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | No
     template = json.loads(json.dumps(reindex.template))
     pod = template.setdefault("spec", {})
     pod.setdefault("restartPolicy", "Never")
+    # no token of the namespace's default account (issue 53): only an account the template names may mount one
+    if not pod.get("serviceAccountName"):
+        pod["automountServiceAccountToken"] = False
     extra = [{"name": k, "value": v} for k, v in sorted(env.items())]
     for c in pod.get("containers") or []:
         c["env"] = [e for e in c.get("env") or [] if e.get("name") not in env] + extra
