@@ -322,8 +322,9 @@ class Reconciler:
                 "serving" if track is plan.serving else "retired"
             written.append(f"Deployment/{track.name} ({what}, epoch {marks.get(spaces.ANNOTATION_SERVING_EPOCH)})")
         for track, replicas in plan.scale.items():
-            self.kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": track, "namespace": ns},
-                             "spec": {"replicas": replicas}}, manager=PREVIOUS_SCALE_MANAGER)
+            self.kube.apply({"apiVersion": "apps/v1", "kind": "Deployment",
+                             "metadata": {"name": track, "namespace": ns}, "spec": {"replicas": replicas}},
+                            manager=PREVIOUS_SCALE_MANAGER)
             written.append(f"Deployment/{track} (previous: {replicas} replicas)")
         return written
 
