@@ -424,37 +424,15 @@ def _up(ready: str) -> bool:
     return int(want or 0) > 0 and int(available or 0) >= int(want)
 
 
-def spaces_served(pods: list[dict]) -> dict[str, list[str]]:
-    """Each embedding space the ready pods report (their prepare steps' `space`), with the pods and commits serving
-    it: more than one key is an address answering from several spaces."""
+def prepared_reports(pods: list[dict], newest_first: bool = False) -> list[tuple[dict, dict]]:
+    """(pod, report) for each ready pod whose prepare init container reported what it loaded in its termination
+    message ('prepared {"commit": ..., "space": ..., ...}'), oldest first (or newest first)."""
     import json
 
-    out: dict[str, list[str]] = {}
-    for pod in pods:
-        st = pod.get("status") or {}
-        if (pod.get("metadata") or {}).get("deletionTimestamp") or not any(
-                c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or []):
-            continue
-        for cs in st.get("initContainerStatuses") or []:
-            msg = (((cs.get("state") or {}).get("terminated") or {}).get("message") or "").strip()
-            if cs.get("name") != "prepare" or not msg.startswith("prepared "):
-                continue
-            try:
-                report = json.loads(msg[len("prepared "):])
-            except ValueError:
-                continue
-            if report.get("space"):
-                commit = f" (commit {report['commit'][:12]})" if report.get("commit") else ""
-                out.setdefault(report["space"], []).append(pod["metadata"]["name"] + commit)
-    return out
-
-
-def first_commit(pods: list[dict]) -> str | None:
-    """The model commit the oldest ready pod's prepare step reported (what a track pins for its later pods)."""
-    import json
-
-    for pod in sorted(pods, key=lambda p: ((p.get("metadata") or {}).get("creationTimestamp") or "",
-                                           (p.get("metadata") or {}).get("name", ""))):
+    out = []
+    order = sorted(pods, key=lambda p: ((p.get("metadata") or {}).get("creationTimestamp") or "",
+                                        (p.get("metadata") or {}).get("name", "")), reverse=newest_first)
+    for pod in order:
         st = pod.get("status") or {}
         if (pod.get("metadata") or {}).get("deletionTimestamp") or not any(
                 c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or []):
@@ -463,12 +441,26 @@ def first_commit(pods: list[dict]) -> str | None:
             msg = (((cs.get("state") or {}).get("terminated") or {}).get("message") or "").strip()
             if cs.get("name") == "prepare" and msg.startswith("prepared "):
                 try:
-                    commit = json.loads(msg[len("prepared "):]).get("commit")
+                    out.append((pod, json.loads(msg[len("prepared "):])))
                 except ValueError:
                     continue
-                if commit:
-                    return commit
-    return None
+    return out
+
+
+def spaces_served(pods: list[dict]) -> dict[str, list[str]]:
+    """Each embedding space the ready pods report, with the pods and commits serving it: more than one key is an
+    address answering from several spaces."""
+    out: dict[str, list[str]] = {}
+    for pod, report in prepared_reports(pods):
+        if report.get("space"):
+            commit = f" (commit {report['commit'][:12]})" if report.get("commit") else ""
+            out.setdefault(report["space"], []).append(pod["metadata"]["name"] + commit)
+    return out
+
+
+def first_commit(pods: list[dict]) -> str | None:
+    """The model commit the oldest ready pod loaded (what a track pins for its later pods)."""
+    return next((r["commit"] for _, r in prepared_reports(pods) if r.get("commit")), None)
 
 
 def served_space(pods: list[dict]) -> str | None:
@@ -479,33 +471,17 @@ def served_space(pods: list[dict]) -> str | None:
 
 
 def _served_model(pods: list[dict]) -> dict | None:
-    """The commit and preparation report of the newest ready pod, from its prepare init container's
-    termination message ('prepared {"commit": ..., ...}')."""
-    import json
-
-    def ready(p: dict) -> bool:
-        return any(c.get("type") == "Ready" and c.get("status") == "True"
-                   for c in (p.get("status") or {}).get("conditions") or [])
-
+    """The commit and preparation report of the newest ready pod, and the spaces of all (newest first)."""
     out: dict | None = None
     spaces: list[str] = []
-    for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("creationTimestamp") or "", reverse=True):
-        if not ready(pod) or (pod.get("metadata") or {}).get("deletionTimestamp"):
-            continue
-        for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
-            msg = (((cs.get("state") or {}).get("terminated") or {}).get("message") or "").strip()
-            if cs.get("name") == "prepare" and msg.startswith("prepared "):
-                try:
-                    report = json.loads(msg[len("prepared "):])
-                except ValueError:
-                    continue
-                if report.get("space") and report["space"] not in spaces:
-                    spaces.append(report["space"])
-                if out is None:  # the newest ready pod's report
-                    out = {"prepared": ", ".join(f"{k} {v}" for k, v in report.items()
-                                                 if k not in ("commit", "space") and v is not None)}
-                    if report.get("commit"):
-                        out["commit"] = report["commit"]
+    for _, report in prepared_reports(pods, newest_first=True):
+        if report.get("space") and report["space"] not in spaces:
+            spaces.append(report["space"])
+        if out is None:  # the newest ready pod's report
+            out = {"prepared": ", ".join(f"{k} {v}" for k, v in report.items()
+                                         if k not in ("commit", "space") and v is not None)}
+            if report.get("commit"):
+                out["commit"] = report["commit"]
     if out is not None and spaces:
         out["space"] = ",".join(spaces)
     return out
