@@ -78,6 +78,17 @@ def create(env, name: str, spec: dict) -> str | None:
     return None
 
 
+def job(**change) -> dict:
+    """BASE with a reindex Job whose pod template has `change` (c_<field>: on its container)."""
+    pod: dict = {"containers": [{"name": "i", "image": "registry.corp/ml/i:1"}]}
+    for k, v in change.items():
+        if k.startswith("c_"):
+            pod["containers"][0][k[2:]] = v
+        else:
+            pod[k] = v
+    return {**BASE, "migration": {"reindex": {"template": {"spec": pod}}}}
+
+
 def test_each_rule_refuses_with_the_message_an_author_reads_and_the_examples_pass(env):
     bad_image = {**BASE, "image": "docker.io/attacker/miner:1"}
     deadline = time.monotonic() + 60  # the API server compiles a new policy within a few seconds
@@ -108,6 +119,16 @@ def test_each_rule_refuses_with_the_message_an_author_reads_and_the_examples_pas
         "hostpath": ({**BASE, "migration": {"reindex": {"template": {"spec": {
             "containers": [{"name": "i", "image": "registry.corp/ml/i:1"}],
             "volumes": [{"name": "root", "hostPath": {"path": "/"}}]}}}}}, "may not use hostNetwork, hostPID, hostPath"),
+        # issue 53's side doors, each accepted before
+        "job-service-account-alias": (job(serviceAccount="default"), "may set only containers, volumes, restartPolicy"),
+        "job-init-privileged": (job(initContainers=[{"name": "x", "image": "registry.corp/ml/i:1",
+                                                     "securityContext": {"privileged": True}}]), "not: initContainers"),
+        "job-sys-admin": (job(c_securityContext={"capabilities": {"add": ["SYS_ADMIN"]}}),
+                          "without privilege, privilege escalation or added capabilities"),
+        "job-toleration": (job(tolerations=[{"operator": "Exists"}]), "template tolerations may only name the keys"),
+        "job-priority": (job(priorityClassName="system-node-critical"), "not: priorityClassName"),
+        "job-ld-preload": (job(c_env=[{"name": "LD_PRELOAD", "value": "/models/x.so"}]), "interpreter's or loader's"),
+        "pythonpath": ({**BASE, "env": [{"name": "PYTHONPATH", "value": "/models/evil"}]}, "interpreter's or loader's"),
     }
     refused = {}
     for name, (spec, want) in cases.items():
