@@ -350,7 +350,9 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
                 cond(ctype, "False", "CRDNotInstalled",
                      f"the {kind} CRD is not installed; {feature} is skipped until it is")
             elif feature == "routes":
-                cond(ctype, *route_condition(observed.route, spec.gateway, ns))
+                blocked = render.gateway_blocked(ns, spec, options)
+                cond(ctype, *(("False", "BlockedByNetworkPolicy", blocked) if blocked
+                              else route_condition(observed.route, spec.gateway, ns)))
             elif feature == "autoscaling":
                 kind = render.autoscaler_kind(spec, options)
                 cond(ctype, "True", "KEDA" if kind == "keda" else "HPA",

@@ -124,3 +124,26 @@ def test_namespace_names_are_validated():
 def test_owned_watched_and_pruned_like_the_other_children():
     assert R.NETWORKPOLICY in A.OWNED_KINDS and A.PLURALS[R.NETWORKPOLICY] == "networkpolicies"
     assert C.CORE_KINDS[R.NETWORKPOLICY] == C.MANAGED
+
+
+def test_a_gateway_the_services_own_policy_keeps_out_is_said_in_routes_ready():
+    """Issue 53: with the chart's networkPolicy.gatewayNamespaces empty, a service with a gateway route and a
+    NetworkPolicy admitted no gateway: the route was Accepted and every request through it timed out."""
+    from embedops_operator import status as ST
+    from embedops_operator.validate import defaulted
+
+    spec = copy.deepcopy(CPU)
+    spec.update({"gateway": {"parentRefs": [{"name": "public", "namespace": "gateway"}], "allowUnauthenticated": True},
+                 "networkPolicy": {"allowSameNamespace": False}})
+    res = defaulted(es(spec))
+
+    def routes(options):
+        st = ST.compute(res, ST.Observed(), options)
+        return next(c for c in st["conditions"] if c["type"] == "RoutesReady")
+    blocked = routes(R.Options())
+    assert (blocked["status"], blocked["reason"]) == ("False", "BlockedByNetworkPolicy")
+    assert "networkPolicy.gatewayNamespaces is empty" in blocked["message"] and "(gateway)" in blocked["message"]
+    assert routes(R.Options(gateway_namespaces=("gateway",)))["reason"] != "BlockedByNetworkPolicy"
+    spec["networkPolicy"]["fromNamespaces"] = ["gateway"]
+    res = defaulted(es(spec))
+    assert routes(R.Options())["reason"] != "BlockedByNetworkPolicy"

@@ -25,7 +25,7 @@ from .base import (
     object_meta, pinned, selector_labels, selector_string, served_model_name, service_url, track_labels)
 from .litellm_entries import litellm_config_map, litellm_key
 from .monitoring import service_monitor
-from .network_policy import NAMESPACE_NAME_LABEL, network_policy
+from .network_policy import NAMESPACE_NAME_LABEL, gateway_blocked, network_policy
 from .pod import (
     DEFAULT_CACHE_SIZE, DEFAULT_MODEL_CACHE, LOG_STORAGE, MODEL_FILES, ONNX_CACHE, ONNX_FILES, PINNED_REVISION,
     batch_port, commit_config_map, container_security, download_script, ephemeral_storage, model_cache_size,

@@ -57,3 +57,21 @@ def network_policy(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict |
                      "ingress": rules}}
 
 
+
+
+def gateway_blocked(ns: str, spec: EmbeddingServiceSpec, options: Options) -> str | None:
+    """Why the service's own NetworkPolicy keeps its gateway out, or None: the chart names no gateway namespace
+    (networkPolicy.gatewayNamespaces) and none of the Gateways' namespaces is admitted otherwise (the manifest's
+    fromNamespaces, or the service's own namespace while every pod of it is admitted). A route the gateway accepted
+    would still time out at the pods; the status says so instead (issue 53)."""
+    npol = spec.network_policy
+    if spec.gateway is None or npol is None or not npol.enabled or options.gateway_namespaces:
+        return None
+    admitted = set(npol.from_namespaces) | ({ns} if npol.allow_same_namespace else set())
+    gateways = {ref.namespace or ns for ref in spec.gateway.parent_refs}
+    if gateways & admitted:
+        return None
+    return (f"the service's NetworkPolicy admits no gateway: the operator's networkPolicy.gatewayNamespaces is "
+            f"empty and the Gateways' namespace{'s' if len(gateways) > 1 else ''} ({', '.join(sorted(gateways))}) "
+            "not admitted, so the gateway's requests would time out at the pods; set the chart's "
+            "networkPolicy.gatewayNamespaces, or list the gateway's namespace in spec.networkPolicy.fromNamespaces")
