@@ -182,3 +182,28 @@ def sweep(kube, namespace: str | None, only: str | None = None, hold=None) -> li
     if removed:
         log.info("removed stale LiteLLM entries: %s", removed)
     return removed
+
+
+def model_name_clashes(live: dict | None, desired: dict, service: str) -> list[str]:
+    """The model names of `desired` (this service's entry in a shared LiteLLM ConfigMap) that another service's
+    entry in the live ConfigMap already serves: LiteLLM would load-balance one name over two services, maybe two
+    embedding spaces, and nothing would say so (issue 53). The entry that was there first keeps the name."""
+    import yaml
+
+    litellm_key = render.litellm_key
+    mine = {e.get("model_name") for e in (yaml.safe_load(desired["data"][litellm_key(service)]) or {})
+            .get("model_list") or []}
+    out = []
+    for key, text in sorted(((live or {}).get("data") or {}).items()):
+        if key == litellm_key(service) or not key.startswith("embedops-") or key == INDEX_KEY:
+            continue
+        try:
+            theirs = {e.get("model_name") for e in (yaml.safe_load(text) or {}).get("model_list") or []}
+        except yaml.YAMLError:
+            continue
+        for clash in sorted(mine & theirs):
+            other = key.removeprefix("embedops-").removesuffix(".yaml")
+            out.append(f"LiteLLM model name {clash!r} is served by EmbeddingService {other} in ConfigMap "
+                       f"{desired['metadata']['name']}: this service's entries are not written (LiteLLM would "
+                       "balance one name over both); give litellm.modelName another value")
+    return out

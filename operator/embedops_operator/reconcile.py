@@ -116,6 +116,7 @@ class Reconciler:
                     try:
                         # before the Service's selector moves: a track that stops serving is marked first, so a
                         # failure between the two never leaves a served space looking like an abandoned candidate
+                        observed.litellm_conflicts, manifests = self._litellm_clashes(intent, manifests)
                         marked = self._record_tracks(intent, plan)
                         self._announce(intent, plan)
                         applied = apply.apply_all(self.kube, manifests, name)
@@ -360,6 +361,18 @@ class Reconciler:
                 manager=COMMIT_MANAGER)
             log.info("%s/%s: the model commit of track %s pinned to %s (its first replica's)", ns, intent.name,
                      track.name, commit)
+
+    def _litellm_clashes(self, intent: Intent, manifests: list[dict]) -> tuple[list[str], list[dict]]:
+        """A model name another service's entry already serves in the shared LiteLLM ConfigMap: said in the status
+        (LiteLLMReady=False ModelNameConflict) and this service's entry left unwritten, never load-balanced."""
+        if intent.spec.litellm is None:
+            return [], manifests
+        entry = next((m for m in manifests if m["kind"] == "ConfigMap"), None)
+        if entry is None:
+            return [], manifests
+        live = self.kube.get("v1", "ConfigMap", intent.namespace, entry["metadata"]["name"])
+        clashes = litellm.model_name_clashes(live, entry, intent.name)
+        return clashes, [m for m in manifests if m is not entry] if clashes else manifests
 
     def _announce(self, intent: Intent, plan: spaces.Plan) -> None:
         for kind, reason, message in plan.events:

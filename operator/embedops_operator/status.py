@@ -21,7 +21,8 @@ CONFIG_ERRORS = {"CreateContainerConfigError", "CreateContainerError"}
 # after the list of children in conflict (apply.Conflict): what to do about them
 CONFLICT_ADVICE = ("the operator never takes over or deletes an object it did not create: delete or rename it, or "
                    "give the EmbeddingService another name")
-FEATURE_CONDITIONS = {"monitoring": "MonitoringReady", "routes": "RoutesReady", "autoscaling": "AutoscalingReady"}
+FEATURE_CONDITIONS = {"monitoring": "MonitoringReady", "routes": "RoutesReady", "autoscaling": "AutoscalingReady",
+                      "litellm": "LiteLLMReady"}
 
 
 @dataclass
@@ -44,6 +45,8 @@ class Observed:
     spaces: list[dict] = field(default_factory=list)
     space_waiting: str | None = None
     candidate_pods: list[dict] = field(default_factory=list)  # the pods of the spec's space while it is not promoted
+    # model names this service's LiteLLM entry would share with another service's (litellm.model_name_clashes)
+    litellm_conflicts: list[str] = field(default_factory=list)
 
 
 def _parse_time(value: str | None) -> dt.datetime | None:
@@ -340,7 +343,7 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
             cond("Promoted", "False", reason, said)
     if spec is not None:
         features = {"monitoring": spec.monitoring.service_monitor.enabled, "routes": spec.gateway is not None,
-                    "autoscaling": spec.autoscaling is not None}
+                    "autoscaling": spec.autoscaling is not None, "litellm": bool(observed.litellm_conflicts)}
         for feature, requested in features.items():
             if not requested:
                 continue
@@ -353,6 +356,8 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
                 blocked = render.gateway_blocked(ns, spec, options)
                 cond(ctype, *(("False", "BlockedByNetworkPolicy", blocked) if blocked
                               else route_condition(observed.route, spec.gateway, ns)))
+            elif feature == "litellm":  # said only when something is wrong: a name shared with another service
+                cond(ctype, "False", "ModelNameConflict", "; ".join(observed.litellm_conflicts))
             elif feature == "autoscaling":
                 kind = render.autoscaler_kind(spec, options)
                 cond(ctype, "True", "KEDA" if kind == "keda" else "HPA",

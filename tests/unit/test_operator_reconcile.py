@@ -252,13 +252,31 @@ def test_crd_removed_since_discovery_is_reported_missing_and_retried(kube):
 def test_shared_litellm_config_map_per_service_manager(kube):
     for name in ("a", "b"):
         spec = copy.deepcopy(MIG)
-        spec["litellm"] = {"configMapName": "litellm"}
+        spec["litellm"] = {"configMapName": "litellm", "modelName": f"model-{name}"}
         kube.create_service(spec, name=name)
         Reconciler(kube, Settings()).reconcile("ml", name)
     cm = kube.get("v1", "ConfigMap", "ml", "litellm")
     assert sorted(cm["data"]) == ["embedops-a.yaml", "embedops-b.yaml"]
     assert "apply ConfigMap/litellm by embedops-litellm-a" in kube.log
     assert "apply ConfigMap/litellm by embedops-litellm-b" in kube.log
+
+
+def test_a_litellm_model_name_another_service_serves_is_a_conflict_not_a_load_balance(kube):
+    """Issue 53: two services naming the same model in one LiteLLM ConfigMap were load-balanced by the proxy, maybe
+    across two embedding spaces, and nothing said so. The first keeps the name; the second's entry is not written
+    and its status says why."""
+    for name in ("a", "b"):
+        spec = copy.deepcopy(MIG)
+        spec["litellm"] = {"configMapName": "litellm", "modelName": "embedder"}
+        kube.create_service(spec, name=name)
+        Reconciler(kube, Settings()).reconcile("ml", name)
+    assert sorted(kube.get("v1", "ConfigMap", "ml", "litellm")["data"]) == ["embedops-a.yaml"]
+    conds = {c["type"]: c for c in kube.get("embedops.dev/v1alpha1", "EmbeddingService", "ml", "b")["status"][
+        "conditions"]}
+    assert conds["LiteLLMReady"]["status"] == "False" and conds["LiteLLMReady"]["reason"] == "ModelNameConflict"
+    assert "LiteLLM model name 'embedder' is served by EmbeddingService a" in conds["LiteLLMReady"]["message"]
+    assert "LiteLLMReady" not in {c["type"] for c in kube.get("embedops.dev/v1alpha1", "EmbeddingService", "ml", "a")[
+        "status"]["conditions"]}
 
 
 def test_invalid_stored_object_is_stalled_without_children(kube):
