@@ -149,12 +149,15 @@ def node_manifests() -> list[dict]:
 
 def _node_step(fn, *args, **kwargs):
     """Run a real-node step; its failures become RealNodeError (one line), so callers can go on without it."""
-    from localcluster.node import RealNodeError
+    from localcluster.node import NodeProcessExited, RealNodeError
 
     try:
         return fn(*args, **kwargs)
     except RealNodeError:
         raise
+    except NodeProcessExited as e:
+        # the dead process's last log lines, on the one line: they are all a CI report keeps of why
+        raise RealNodeError(f"{type(e).__name__}: " + " | ".join(str(e).strip().splitlines())[:3000]) from e
     except Exception as e:  # noqa: BLE001 - reported as the reason the cluster has no real node
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise RealNodeError(f"{type(e).__name__}: {msg}"[:400]) from e
