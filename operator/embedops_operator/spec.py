@@ -423,6 +423,9 @@ class Gateway(Model):
     allow_unauthenticated: bool = Field(False, description=(
         "Publish the routes on the gateway although the service has no apiKeySecretRef: anyone who reaches the "
         "gateway can use the model. Without a key the operator refuses the gateway unless this says so."))
+    embed_all: bool = Field(False, description=(
+        "Route /embed_all (every token's hidden state: tokens x width floats per answer, a large answer for a "
+        "small request) on the gateway too. Off: the service's own address answers it, the gateway does not."))
 
 
 class LiteLLM(Model):

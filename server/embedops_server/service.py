@@ -197,7 +197,7 @@ def make_lanes(s: Settings, backend: Backend, tokenizers: TokenizerPool, max_len
     def make(**lane) -> Engine:
         return Engine(backend, tokenizers, max_len, s.max_batch_tokens, s.max_batch_requests,
                       s.max_concurrent_requests, stats, forward_tokens=forward_tokens(s, backend),
-                      workers=backend.parallel_forwards, **lane)
+                      workers=backend.parallel_forwards, max_token_outputs=s.max_embed_all_tokens, **lane)
 
     if not s.lanes:
         return Lanes.one(make())

@@ -132,6 +132,8 @@ class Settings(EnvironmentSettings):
     max_batch_requests: int | None = Field(None, ge=1, description="maximum inputs per forward batch")
     max_concurrent_requests: int = Field(512, ge=1, description="admitted inputs in flight before answering 429")
     max_client_batch_size: int = Field(32, ge=1, description="maximum inputs per request")
+    max_embed_all_tokens: int = Field(16384, ge=1, description="tokens of one /embed_all request (its answer holds "
+                                      "tokens x hidden size floats); more is refused with 422 before any forward")
     lanes: bool = Field(True, description="interactive and batch lanes: a query's inputs do not wait behind "
                         "ingestion's (docs/server.md#lanes); false = one FIFO queue, as TEI")
     default_lane: Literal["auto", "interactive", "batch"] = Field(

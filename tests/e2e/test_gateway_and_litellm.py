@@ -80,7 +80,7 @@ def routed(kube, real, ns, svc, gw):  # noqa: F811
     embed = on_real_node(example(), real)
     embed["metadata"]["name"] = EMBED
     embed["spec"]["gateway"] = {"parentRefs": [gateway.PARENT_REF], "hostnames": [EMBED_HOST], "pathPrefix": PREFIX,
-                                "allowUnauthenticated": True}
+                                "allowUnauthenticated": True, "embedAll": True}  # /embed_all routed on request
     rerank = on_real_node(RERANKER_DOC, real)
     rerank["metadata"]["name"] = RERANK
     rerank["spec"]["gateway"] = {"parentRefs": [gateway.PARENT_REF], "hostnames": [RERANK_HOST],

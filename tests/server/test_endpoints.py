@@ -221,3 +221,18 @@ def test_request_count_counts_failed_requests_too(minilm_torch):
     failed = _counter(after, "te_request_failure") - _counter(before, "te_request_failure")
     ok = _counter(after, "te_request_success") - _counter(before, "te_request_success")
     assert (count, failed, ok) == (3, 2, 1)
+
+
+def test_embed_all_refuses_an_answer_over_its_token_limit_before_any_forward():
+    """Issue 53: /embed_all answers tokens x width floats; a request of many long inputs made a replica hold that
+    (a 32 x 8192-token bge-m3 request: ~1 GiB of float32 before JSON). Over --max-embed-all-tokens: 422 at once."""
+    from localcluster.models import minilm_onnx_dir
+
+    from .conftest import run_server
+
+    with run_server(model_id=str(minilm_onnx_dir()), backend="onnxruntime", max_embed_all_tokens=40) as (url, st):
+        ok = httpx.post(url + "/embed_all", json={"inputs": ["a short one"]})
+        assert ok.status_code == 200 and len(ok.json()[0]) < 40
+        r = httpx.post(url + "/embed_all", json={"inputs": ["a longer text " * 10] * 3})
+        assert r.status_code == 422 and "over the limit of 40 tokens (--max-embed-all-tokens)" in r.json()["error"]
+        assert httpx.post(url + "/embed", json={"inputs": ["a longer text " * 10] * 3}).status_code == 200

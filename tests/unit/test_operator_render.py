@@ -254,7 +254,7 @@ def test_missing_capabilities():
 
 
 @pytest.mark.parametrize("task,paths", [
-    ("embed", ["/v1/embeddings", "/embed", "/embed_all", "/v1/models"]), ("rerank", ["/rerank", "/v1/rerank"]),
+    ("embed", ["/v1/embeddings", "/embed", "/v1/models"]), ("rerank", ["/rerank", "/v1/rerank"]),
     ("sparse", ["/embed_sparse", "/embed"]), ("classify", ["/predict"])])
 def test_http_route_paths_by_task(task, paths):
     spec = copy.deepcopy(MIG)
@@ -703,3 +703,13 @@ def test_every_replica_of_a_hub_model_reads_the_commit_its_first_replica_resolve
         pod = pod_spec(render(spec))
         assert not [e for c in pod.get("initContainers", []) + pod["containers"] for e in c["env"]
                     if e["name"] == "PINNED_REVISION"], model
+
+
+def test_embed_all_reaches_the_gateway_only_when_the_manifest_asks():
+    """Issue 53: /embed_all answers tokens x width floats (a 32 x 8192-token bge-m3 request: ~1 GiB of float32
+    before JSON); published on the gateway by default, a small request from outside could hold that much of a
+    replica's memory. It stays on the service's own address; gateway.embedAll routes it."""
+    spec = copy.deepcopy(MIG)
+    spec["gateway"] = {"parentRefs": [{"name": "gw"}], "embedAll": True}
+    route = by_kind(render(spec))["HTTPRoute"]
+    assert "/embed_all" in [r["matches"][0]["path"]["value"] for r in route["spec"]["rules"]]

@@ -23,15 +23,20 @@ OUTPUT_PATHS = {
 
 def route_paths(spec: EmbeddingServiceSpec) -> list[tuple[str, str]]:
     """The HTTPRoute's (match type, path) pairs: by task, and for an embed service with model.outputs by output
-    (plus /embed_hybrid when it has two or more, and /v1/models for OpenAI clients' discovery)."""
+    (plus /embed_hybrid when it has two or more, and /v1/models for OpenAI clients' discovery). /embed_all only
+    with gateway.embedAll (issue 53: its answers are tokens x width floats)."""
     task = detect_task(spec.model)
     outputs = spec.model.outputs
     if task != "embed" or not outputs:
-        return ROUTE_PATHS[task]
-    paths = [p for o in ("dense", "sparse", "colbert") if o in outputs for p in OUTPUT_PATHS[o]]
-    if len(set(outputs)) > 1:
-        paths.append(("Exact", "/embed_hybrid"))
-    return paths + [("PathPrefix", "/v1/models")]
+        paths = list(ROUTE_PATHS[task])
+    else:
+        paths = [p for o in ("dense", "sparse", "colbert") if o in outputs for p in OUTPUT_PATHS[o]]
+        if len(set(outputs)) > 1:
+            paths.append(("Exact", "/embed_hybrid"))
+        paths += [("PathPrefix", "/v1/models")]
+    if spec.gateway is None or not spec.gateway.embed_all:
+        paths = [p for p in paths if p != ("Exact", "/embed_all")]
+    return paths
 
 
 def space_gateway_path(spec: EmbeddingServiceSpec, key: str) -> str:

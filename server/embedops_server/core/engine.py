@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .errors import BACKEND, OVERLOADED, EngineError
+from .errors import BACKEND, OVERLOADED, VALIDATION, EngineError
 from .queue import BatchQueue, Entry
 from .tokenization import EncodeJob, TokenizerPool
 
@@ -137,8 +137,11 @@ class Engine:
     def __init__(self, backend, tokenizers: TokenizerPool, max_input_length: int, max_batch_tokens: int,
                  max_batch_requests: int | None, max_concurrent_requests: int, stats: EngineStats | None = None,
                  forward_tokens: int | None = None, workers: int = 1, lane: str = "", nice: int = 0,
-                 inline: bool = True, beside: Callable[[], bool] | None = None):
+                 inline: bool = True, beside: Callable[[], bool] | None = None,
+                 max_token_outputs: int | None = None):
         self.backend = backend
+        # tokens a request answering every token's state (/embed_all: tokens x width floats) may hold (issue 53)
+        self.max_token_outputs = max_token_outputs
         self.lane = lane
         self.nice = nice
         self._beside = beside or _never
@@ -219,6 +222,15 @@ class Engine:
                 entries.append(Entry(req, i, ids, tids, urgent))
                 req.tokens += len(ids)
                 self.stats.on_input_length(len(ids))
+            if need_tokens and self.max_token_outputs and req.tokens > self.max_token_outputs:
+                # refused before any forward: its answer (tokens x width floats, then JSON) would be what a small
+                # request makes a replica hold
+                width = getattr(self.backend, "hidden_size", None) or 0
+                loop.call_soon_threadsafe(_fail, req, EngineError(VALIDATION, (
+                    f"Input validation error: an answer of every token's state for {req.tokens} tokens "
+                    f"({req.tokens * width * 4 >> 20} MiB of float32) is over the limit of "
+                    f"{self.max_token_outputs} tokens (--max-embed-all-tokens); send fewer or shorter inputs")))
+                return
             if alone and threading.get_ident() == loop_thread and self._run_inline(entries):
                 return
             self.queue.put_many(entries, self._wake_needed)
