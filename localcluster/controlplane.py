@@ -349,6 +349,10 @@ class Cluster:
         # the aggregation layer's front proxy: the API server's client certificate towards aggregated API
         # servers (KEDA's metrics adapter), which trust the identity headers it sends (--requestheader-*)
         make_client_cert(pki, pki, "front-proxy-client", "/CN=front-proxy-client")
+        # the controller manager as kubeadm (and so kind) runs it: its own user, each controller under its own
+        # service account (--use-service-account-credentials), so what a controller writes is checked as that
+        # controller (the chart's reserved-labels policy admits pods the ReplicaSet and Job controllers make)
+        make_client_cert(pki, pki, "kube-controller-manager", "/CN=system:kube-controller-manager")
         return pki
 
     def _start_etcd(self, state: dict, bins: Binaries, ports: Ports, timeout: float) -> None:
@@ -405,9 +409,12 @@ class Cluster:
 
     def _start_controllers(self, state: dict, bins: Binaries, ports: Ports, pki: Path) -> None:
         kc = str(self.kubeconfig)
+        kcm = self.run_dir / "kube-controller-manager.kubeconfig"
+        write_kubeconfig(kcm, state["server"], pki, cert="kube-controller-manager")
         self.spawn(state, "kube-controller-manager", [
-            str(bins.controller_manager), f"--kubeconfig={kc}",
-            f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
+            str(bins.controller_manager), f"--kubeconfig={kcm}",
+            f"--authentication-kubeconfig={kcm}", f"--authorization-kubeconfig={kcm}",
+            "--use-service-account-credentials=true",
             "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={ports.controller_manager}",
             f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
             "--service-cluster-ip-range=10.96.0.0/16", "--controllers=*",

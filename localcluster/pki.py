@@ -75,14 +75,15 @@ def make_serving_cert(ca: Path, out: Path, name: str, subj: str, sans: list[str]
     _sign(ca, out, name, subj, "subjectAltName=" + ",".join(sans) + "\nextendedKeyUsage=serverAuth\n")
 
 
-def write_kubeconfig(path: Path, server: str, pki: Path) -> None:
+def write_kubeconfig(path: Path, server: str, pki: Path, cert: str = "admin") -> None:
+    """A kubeconfig for the client certificate `<cert>.crt`/`.key` in `pki` (the admin's unless named)."""
     b64 = lambda p: base64.b64encode((pki / p).read_bytes()).decode()  # noqa: E731
     cfg = {
         "apiVersion": "v1", "kind": "Config", "current-context": "embedops-local",
         "clusters": [{"name": "embedops-local",
                       "cluster": {"server": server, "certificate-authority-data": b64("ca.crt")}}],
         "users": [{"name": "embedops-admin",
-                   "user": {"client-certificate-data": b64("admin.crt"), "client-key-data": b64("admin.key")}}],
+                   "user": {"client-certificate-data": b64(f"{cert}.crt"), "client-key-data": b64(f"{cert}.key")}}],
         "contexts": [{"name": "embedops-local",
                       "context": {"cluster": "embedops-local", "user": "embedops-admin"}}],
     }
