@@ -39,7 +39,8 @@ def env(kube):
         "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "ClusterRole")
         and not d["metadata"]["name"].endswith(("-metrics-auth", "-metrics-reader"))]  # their own test
     assert sorted(d["kind"] for d in docs) == ["ClusterRole", "ClusterRole", "ClusterRole",
-                                                "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+                                                "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicy",
+                                                "ValidatingAdmissionPolicyBinding", "ValidatingAdmissionPolicyBinding"]
     kube.apply(docs)
     with kube.namespace("vap", labels={"embedops.dev/vap": "on"}) as ns:
         e = type("Env", (), {})()
@@ -171,3 +172,113 @@ def test_namespace_editors_manage_and_viewers_read_embedding_services(env, kube)
     assert can("alice", "delete") and can("alice", "update", "scale") and not can("alice", "update", "status")
     assert can("bob", "list") and can("bob", "get", "status") and not can("bob", "create")
     assert not can("carol", "get")
+
+
+OPERATOR_SA = ("default", "vap-embedops-operator")  # `helm template vap` in namespace default
+ACTIVATOR = {"app.kubernetes.io/name": "embedops-activator", "app.kubernetes.io/instance": "svc"}
+REINDEX = {"app.kubernetes.io/component": "reindex", "embedops.dev/space": "aaaaaaaa"}
+
+
+def _pod_spec() -> dict:
+    return {"containers": [{"name": "c", "image": "registry.corp/ml/i:1"}], "automountServiceAccountToken": False,
+            "nodeSelector": {"embedops.dev/no-such-node": "true"}}  # created, never run
+
+
+def _workloads(name: str, labels: dict) -> dict[str, tuple]:
+    """(create function's name, API, body) of a pod and each workload kind whose pod template carries `labels`."""
+    from kubernetes import client
+
+    tmpl = {"metadata": {"labels": labels}, "spec": _pod_spec()}
+    sel = {"matchLabels": labels}
+    job_tmpl = {"metadata": {"labels": labels}, "spec": {**_pod_spec(), "restartPolicy": "Never"}}
+    return {
+        "Pod": ("create_namespaced_pod", client.CoreV1Api, {"metadata": {"name": name, "labels": labels},
+                                                            "spec": _pod_spec()}),
+        "Deployment": ("create_namespaced_deployment", client.AppsV1Api,
+                       {"metadata": {"name": name}, "spec": {"replicas": 1, "selector": sel, "template": tmpl}}),
+        "ReplicaSet": ("create_namespaced_replica_set", client.AppsV1Api,
+                       {"metadata": {"name": name}, "spec": {"replicas": 1, "selector": sel, "template": tmpl}}),
+        "StatefulSet": ("create_namespaced_stateful_set", client.AppsV1Api,
+                        {"metadata": {"name": name}, "spec": {"serviceName": name, "selector": sel,
+                                                              "template": tmpl}}),
+        "DaemonSet": ("create_namespaced_daemon_set", client.AppsV1Api,
+                      {"metadata": {"name": name}, "spec": {"selector": sel, "template": tmpl}}),
+        "Job": ("create_namespaced_job", client.BatchV1Api, {"metadata": {"name": name}, "spec": {"template": job_tmpl}}),
+        "CronJob": ("create_namespaced_cron_job", client.BatchV1Api, {"metadata": {"name": name}, "spec": {
+            "schedule": "0 0 1 1 *", "jobTemplate": {"spec": {"template": job_tmpl}}}}),
+        "ReplicationController": ("create_namespaced_replication_controller", client.CoreV1Api,
+                                  {"metadata": {"name": name}, "spec": {"replicas": 1, "selector": labels,
+                                                                        "template": tmpl}}),
+    }
+
+
+def _create(api, ns: str, how: tuple, dry_run: bool = True) -> str | None:
+    """None when admitted, else the API server's message."""
+    from kubernetes.client.rest import ApiException
+
+    fn, cls, body = how
+    try:
+        getattr(cls(api), fn)(ns, body, **({"dry_run": "All"} if dry_run else {}))
+    except ApiException as exc:
+        return json.loads(exc.body).get("message", exc.body)
+    return None
+
+
+def test_the_labels_a_network_policy_admits_are_the_operators_alone(env, kube):
+    """Issue 53: a service's NetworkPolicy (allowSameNamespace: false) admits its activator's and its reindex Jobs'
+    pods by label, and a label is what any pod of the namespace may carry. With the chart's policy only the
+    operator's ServiceAccount puts them on a pod template and only the cluster's controllers on a pod: every way
+    a tenant could make such a pod is refused, and the operator's own Deployment and Job get their pods."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(env.api)
+    deadline = time.monotonic() + 60
+    while _create(env.api, env.ns, _workloads("probe", ACTIVATOR)["Pod"]) is None:
+        assert time.monotonic() < deadline, "the reserved-labels policy never took effect"
+        time.sleep(0.5)
+    refused = {}
+    for claim, labels in (("activator", ACTIVATOR), ("reindex", REINDEX)):
+        for kind, how in _workloads(f"copy-{claim}", labels).items():
+            msg = _create(env.api, env.ns, how)
+            assert msg is not None and "are reserved for the pods the embedops operator makes" in msg, (claim, kind, msg)
+            refused[f"{claim} {kind}"] = msg
+    print(f"refused ({len(refused)}): {next(iter(refused.values()))}")
+    # a team's own pods named component=reindex (without embedops' space label) are theirs to make
+    assert _create(env.api, env.ns, _workloads("own-reindex", {"app.kubernetes.io/component": "reindex"})["Job"]) is None
+    # a label added to a running pod
+    assert _create(env.api, env.ns, _workloads("plain", {"app": "plain"})["Pod"], dry_run=False) is None
+    from kubernetes.client.rest import ApiException
+    with pytest.raises(ApiException) as exc:
+        core.patch_namespaced_pod("plain", env.ns, {"metadata": {"labels": ACTIVATOR}})
+    assert "reserved" in json.loads(exc.value.body)["message"]
+
+    # the operator's ServiceAccount (impersonated, with the namespace's admin role as its ClusterRole gives it)
+    sa_ns, sa = OPERATOR_SA
+    client.RbacAuthorizationV1Api(env.api).create_namespaced_role_binding(env.ns, {
+        "metadata": {"name": "operator-admin"}, "roleRef": {"apiGroup": "rbac.authorization.k8s.io",
+                                                            "kind": "ClusterRole", "name": "admin"},
+        "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": sa_ns}]})
+    operator_api = kube.api_client()
+    operator_api.default_headers["Impersonate-User"] = f"system:serviceaccount:{sa_ns}:{sa}"
+    try:
+        for kind, labels in (("Deployment", ACTIVATOR), ("Job", REINDEX)):
+            deadline = time.monotonic() + 30  # RBAC's cache takes the binding within a moment
+            while (msg := _create(operator_api, env.ns, _workloads(f"op-{kind.lower()}", labels)[kind],
+                                  dry_run=False)) is not None and "forbidden" in msg and "reserved" not in msg:
+                assert time.monotonic() < deadline, msg
+                time.sleep(0.3)
+            assert msg is None, (kind, msg)
+    finally:
+        operator_api.close()
+    # the controllers make their pods (a ReplicaSet, then a pod; a Job's pod), each carrying the reserved labels
+    selector = ",".join(f"{k}={v}" for k, v in ACTIVATOR.items())
+    deadline = time.monotonic() + 60
+    while not (core.list_namespaced_pod(env.ns, label_selector=selector).items
+               and core.list_namespaced_pod(env.ns, label_selector="embedops.dev/space=aaaaaaaa").items):
+        events = [f"{e.involved_object.kind}/{e.involved_object.name}: {e.message}"
+                  for e in core.list_namespaced_event(env.ns).items if e.type == "Warning"]
+        assert time.monotonic() < deadline, f"the controllers made no pod of the operator's workloads: {events}"
+        time.sleep(0.5)
+    # a rollout restart by a person (an update of an object that carries them already) is not refused
+    client.AppsV1Api(env.api).patch_namespaced_deployment("op-deployment", env.ns, {"spec": {"template": {"metadata": {
+        "annotations": {"kubectl.kubernetes.io/restartedAt": "2026-12-07T00:00:00Z"}}}}})

@@ -3,6 +3,7 @@ like every other child. Enforcement is tested on the real node with kube-router 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 from embedops_operator import apply as A
 from embedops_operator import controller as C
@@ -10,6 +11,8 @@ from embedops_operator import render as R
 from embedops_operator.settings import OperatorSettings
 from embedops_operator.validate import defaulted, validate
 from tests.unit.operator_helpers import CPU, es
+
+REPO = Path(__file__).resolve().parents[2]
 
 PLATFORM = R.Options(gateway_namespaces=("gateway",), prometheus_namespaces=("monitoring",),
                      keda_namespaces=("keda",))
@@ -75,13 +78,15 @@ def test_without_the_same_namespace_only_the_activator_and_reindex_jobs_from_it(
     (rule,) = policy(with_policy(allowSameNamespace=False, fromNamespaces=["ml"]))["spec"]["ingress"]
     activator, reindex, outside = rule["from"]
     assert activator == {"podSelector": {"matchLabels": R.activator_selector("svc")}}
-    assert reindex == {"podSelector": {"matchLabels": {R.LABEL_COMPONENT: "reindex"}}}
+    assert reindex == {"podSelector": {"matchLabels": {R.LABEL_COMPONENT: "reindex"},
+                                       "matchExpressions": [{"key": "embedops.dev/space", "operator": "Exists"}]}}
     # what a reindex Job's pods carry (its template cannot change, so not the service label)
     spec = with_policy(allowSameNamespace=False)
     spec["migration"] = {"reindex": {"template": {"spec": {"containers": [{"name": "c", "image": "i"}]}}}}
     job = R.reindex_job("svc", "ml", R.parse_resource(defaulted(es(spec))).spec, None,
                         {"EMBEDOPS_SPACE": "aaaaaaaa"})
-    assert job["spec"]["template"]["metadata"]["labels"].items() >= reindex["podSelector"]["matchLabels"].items()
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert labels.items() >= reindex["podSelector"]["matchLabels"].items() and "embedops.dev/space" in labels
     assert namespaces(outside) == ["ml", "monitoring"]  # listed explicitly: the whole namespace again
 
 
@@ -147,3 +152,18 @@ def test_a_gateway_the_services_own_policy_keeps_out_is_said_in_routes_ready():
     spec["networkPolicy"]["fromNamespaces"] = ["gateway"]
     res = defaulted(es(spec))
     assert routes(R.Options())["reason"] != "BlockedByNetworkPolicy"
+
+
+def test_the_charts_reserved_labels_are_the_ones_the_policy_admits():
+    """The chart's admission policy reserves exactly the labels that admit a pod beside the service's own (issue 53):
+    if the NetworkPolicy's peers change, the reserved pair must change with them."""
+    chart = (REPO / "charts" / "embedops-operator" / "templates" / "admission-policy.yaml").read_text()
+    (rule,) = policy(with_policy(allowSameNamespace=False))["spec"]["ingress"]
+    activator, reindex = rule["from"][:2]
+    (name_key, name), = [(k, v) for k, v in activator["podSelector"]["matchLabels"].items()
+                         if k == "app.kubernetes.io/name"]
+    assert f"variables.labels['{name_key}'] == '{name}'" in chart
+    (comp_key, comp), = reindex["podSelector"]["matchLabels"].items()
+    assert f"variables.labels['{comp_key}'] == '{comp}'" in chart
+    (exists,) = reindex["podSelector"]["matchExpressions"]
+    assert f"'{exists['key']}' in variables.labels" in chart

@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..spec import EmbeddingServiceSpec
 from .activator import ACTIVATOR_ADMIN_PORT, activator_selector
 from .base import (
-    BATCH_PORT, LABEL_COMPONENT, LABEL_SERVICE, NETWORKPOLICY, SERVER_PORT, Options, common_labels, detect_task,
+    BATCH_PORT, LABEL_COMPONENT, LABEL_SERVICE, LABEL_SPACE, NETWORKPOLICY, SERVER_PORT, Options, common_labels, detect_task,
     has_batch_service, object_meta)
 
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set on every namespace by the API server (1.22+)
@@ -13,6 +13,12 @@ NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set on every namespace b
 def _from_namespaces(names) -> dict:
     return {"namespaceSelector": {"matchExpressions": [
         {"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": sorted(set(names))}]}}
+
+
+def reindex_peer() -> dict:
+    """The reindex Jobs' pods of the namespace, as the chart's reserved-labels policy names them."""
+    return {"podSelector": {"matchLabels": {LABEL_COMPONENT: "reindex"},
+                            "matchExpressions": [{"key": LABEL_SPACE, "operator": "Exists"}]}}
 
 
 def network_policy(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict | None, options: Options) -> dict:
@@ -29,8 +35,10 @@ def network_policy(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict |
         peers.append({"podSelector": {}})
     else:
         peers.append({"podSelector": {"matchLabels": activator_selector(name)}})
-        # reindex Jobs' pods carry the component and the space, not the service (a Job's template cannot change)
-        peers.append({"podSelector": {"matchLabels": {LABEL_COMPONENT: "reindex"}}})
+        # reindex Jobs' pods carry the component and the space, not the service (a Job's template cannot change);
+        # both, so that the chart's admission policy can reserve the pair without refusing a team's own pods
+        # labelled component=reindex (labels any pod could copy: issue 53, docs/security.md)
+        peers.append(reindex_peer())
     names = set(npol.from_namespaces)
     if spec.gateway:
         names |= set(options.gateway_namespaces)
