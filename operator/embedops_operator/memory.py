@@ -52,6 +52,9 @@ MIN_CPU_MEMORY = 1 << 30
 # render.TEMPLATE_REVISIONS' revision from which the CPU estimate counts the tokenizers the server holds and int8's
 # loading peak (the limit it renders is in the pod template)
 ESTIMATE_REVISION = 4
+# the revision from which it counts an embedder's /embed_all answers (issue 53: the server holds at most
+# sizing.RESPONSES_IN_FLIGHT answers of every token's state, of at most sizing.EMBED_ALL_TOKENS tokens each)
+TOKEN_ANSWERS_REVISION = 6
 PARALLEL_MAX_WEIGHTS = 200 << 20  # the server's SMALL_SESSION_MAX_BYTES: two forwards side by side below it
 MIG_MEMORY_GB = re.compile(r"\.(\d+)gb$")
 
@@ -127,9 +130,13 @@ def estimate(spec: EmbeddingServiceSpec, dtype: str, revision: int | None = None
             tokenizers = max(1, min(4, cpu.cores // 2)) + 2
         # ColBERT answers one 1024-float vector per token: a full request's outweigh a forward
         colbert_tokens = b.max_client_batch_size * longest if "colbert" in (m.outputs or []) else 0
+        # an embedder's /embed_all: at most EMBED_ALL_TOKENS tokens, and no more than a request can carry
+        embed_all = (min(sizing.EMBED_ALL_TOKENS, b.max_client_batch_size * longest)
+                     if (revision is None or revision >= TOKEN_ANSWERS_REVISION) and m.detected_task == "embed" else 0)
         replica = sizing.estimate(g, dtype=weights_dtype, device="cpu", max_input_length=longest,
                                   forward_tokens=min(forward, b.max_batch_tokens), parallel_forwards=parallel,
                                   tokenizers=tokenizers, colbert_request_tokens=colbert_tokens,
+                                  embed_all_tokens=embed_all,
                                   int8_load_peak=sizing.INT8_LOAD_PEAK if current else 0.0)
     else:  # torch on CUDA: the warm-up runs a full max-batch-tokens forward
         replica = sizing.estimate(g, dtype=dtype, device="cuda", max_input_length=longest,

@@ -190,6 +190,16 @@ class ModelSpec(Model):
                                                              "model the operator does not know.")
     cache: ModelCache | None = Field(None, description="A volume for the prepared ONNX graph that outlives pods.")
 
+    @property
+    def detected_task(self) -> str:
+        """`task`, else read from the id as NON_EMBED_ID_PATTERN does: rerank, sparse (SPLADE) or embed."""
+        if self.task:
+            return self.task
+        ident = self.id.lower()
+        if "rerank" in ident or "cross-encoder" in ident or "ms-marco" in ident:
+            return "rerank"
+        return "sparse" if "splade" in ident else "embed"
+
 
 # ---------------------------------------------------------------------------------------------------- hardware
 

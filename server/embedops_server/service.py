@@ -200,8 +200,10 @@ def make_lanes(s: Settings, backend: Backend, tokenizers: TokenizerPool, max_len
                       workers=backend.parallel_forwards, max_token_outputs=s.max_embed_all_tokens, **lane)
 
     if not s.lanes:
-        return Lanes.one(make())
-    batch_limit = s.batch_lane_limit
-    if backend.concurrent_lanes:
-        return Lanes.separate_engines(make, s.max_concurrent_requests, batch_limit, s.batch_lane_nice)
-    return Lanes.one(make(), enabled=True, batch_limit=batch_limit)
+        lanes = Lanes.one(make())
+    elif backend.concurrent_lanes:
+        lanes = Lanes.separate_engines(make, s.max_concurrent_requests, s.batch_lane_limit, s.batch_lane_nice)
+    else:
+        lanes = Lanes.one(make(), enabled=True, batch_limit=s.batch_lane_limit)
+    lanes.max_token_answers = s.max_token_answers
+    return lanes

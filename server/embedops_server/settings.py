@@ -21,6 +21,8 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings.sources.utils import parse_env_vars
 
+from . import sizing
+
 # The environment a settings model reads: os.environ, unless `from_environment` names another mapping (tests,
 # and the operator's check that every flag it renders parses).
 _ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("embedops_settings_environ", default=None)
@@ -132,8 +134,11 @@ class Settings(EnvironmentSettings):
     max_batch_requests: int | None = Field(None, ge=1, description="maximum inputs per forward batch")
     max_concurrent_requests: int = Field(512, ge=1, description="admitted inputs in flight before answering 429")
     max_client_batch_size: int = Field(32, ge=1, description="maximum inputs per request")
-    max_embed_all_tokens: int = Field(16384, ge=1, description="tokens of one /embed_all request (its answer holds "
+    max_embed_all_tokens: int = Field(sizing.EMBED_ALL_TOKENS, ge=1, description="tokens of one /embed_all request (its answer holds "
                                       "tokens x hidden size floats); more is refused with 422 before any forward")
+    max_token_answers: int = Field(sizing.RESPONSES_IN_FLIGHT, ge=1, description="answers of every token's state (/embed_all, bge-m3's "
+                                   "ColBERT vectors) in progress at once, from admission until sent; one more is "
+                                   "answered 429: what the memory estimate counts (sizing.RESPONSES_IN_FLIGHT)")
     lanes: bool = Field(True, description="interactive and batch lanes: a query's inputs do not wait behind "
                         "ingestion's (docs/server.md#lanes); false = one FIFO queue, as TEI")
     default_lane: Literal["auto", "interactive", "batch"] = Field(

@@ -80,8 +80,17 @@ ACTIVATION_SLACK = 1.3
 # token vectors until they are sent, plus one input's JSON: resident bytes per float32 output byte, measured
 # with bench/colbert_memory.py (see docs/server.md#memory).
 RESPONSE_BYTES_PER_OUTPUT_BYTE = 1.25  # measured 1.02 (two requests, JSON floats), 0.53 (base64)
-# Requests whose ColBERT outputs are held at once: the one being sent and the one the engine is finishing.
+# Answers of every token's state (ColBERT vectors, /embed_all's hidden states) held at once: the one being sent and
+# the one the engine is finishing. The server admits no more (--max-token-answers, core/lanes.py: from admission
+# until the answer is handed to the kernel; one more is 429).
 RESPONSES_IN_FLIGHT = 2
+# The most tokens one /embed_all request may carry (--max-embed-all-tokens; more is 422 before any forward): at
+# bge-m3's width, 32 MiB of float32.
+EMBED_ALL_TOKENS = 8192
+# /embed_all's answer is serialized whole (orjson, numpy arrays): its float32 states and their JSON (11.7 bytes a
+# float, measured on all-MiniLM-L6-v2's 3,872 x 384: 17.4 MB) are held together while it is built, then the JSON
+# until it is sent. Resident bytes per float32 output byte:
+EMBED_ALL_BYTES_PER_OUTPUT_BYTE = 4.0
 
 
 @dataclass(frozen=True)
@@ -105,7 +114,7 @@ class Estimate:
 
     def describe(self) -> str:
         rest = "runtime and tokenizers" if self.tokenizers else "runtime"
-        held = f", ColBERT responses {gib(self.responses)}" if self.responses else ""
+        held = f", answers of every token's state {gib(self.responses)}" if self.responses else ""
         load = f"; loading, {gib(self.loading)} above the weights, is the peak" if self.loading > self.serving else ""
         return (f"{gib(self.total)} (weights {gib(self.weights)}, activations {gib(self.activations)} "
                 f"for {self.detail}{held}, {rest} {gib(self.runtime + self.tokenizers)}{load})")
@@ -129,7 +138,8 @@ def forward_bytes(g: Geometry, rows: int, length: int, bytes_per_value: int = 4,
 
 def estimate(g: Geometry, *, dtype: str, device: str = "cpu", max_input_length: int | None = None,
              forward_tokens: int = 1024, parallel_forwards: int = 1, tokenizers: int = 3,
-             colbert_request_tokens: int = 0, int8_load_peak: float = INT8_LOAD_PEAK) -> Estimate:
+             colbert_request_tokens: int = 0, int8_load_peak: float = INT8_LOAD_PEAK,
+             embed_all_tokens: int = 0) -> Estimate:
     """Peak resident memory of one serving replica: host memory on CPU, GPU memory on CUDA.
 
     ``forward_tokens``: padded tokens per forward (CPU: the ONNX Runtime backend's 1024, or 256 per forward
@@ -139,7 +149,9 @@ def estimate(g: Geometry, *, dtype: str, device: str = "cpu", max_input_length: 
     the operator's template revisions before 4 did). ``colbert_request_tokens``: with
     ColBERT outputs served, the most tokens one request may carry (max client batch size x longest input);
     its vectors (hidden-size floats each, bge-m3's ColBERT head) are host memory, so they count on CPU only:
-    on a GPU they are not in the slice."""
+    on a GPU they are not in the slice. ``embed_all_tokens``: an embedder's /embed_all answer, at most this many tokens
+    (0: not counted, as the operator's template revisions before 6 did); host memory too. The server holds
+    RESPONSES_IN_FLIGHT answers of either kind at once, so the larger of the two counts that many times."""
     length = min(max_input_length or g.max_positions, g.max_positions)
     cuda = device.startswith("cuda")
     value_bytes = 2 if cuda and dtype in ("float16", "bfloat16") else 4  # int8 dynamic: float32 activations
@@ -159,8 +171,9 @@ def estimate(g: Geometry, *, dtype: str, device: str = "cpu", max_input_length: 
     # On CUDA the estimate is the GPU's memory (what a MIG slice must hold): the tokenizers and Python live in
     # the pod's host memory, not on the device
     tok = 0 if cuda else tokenizers * (TOKENIZER_BASE + TOKENIZER_BYTES_PER_PIECE * g.vocab)
-    held = 0 if cuda else int(RESPONSES_IN_FLIGHT * colbert_request_tokens * g.hidden * 4
-                              * RESPONSE_BYTES_PER_OUTPUT_BYTE)
+    answer = max(colbert_request_tokens * g.hidden * 4 * RESPONSE_BYTES_PER_OUTPUT_BYTE,
+                 embed_all_tokens * g.hidden * 4 * EMBED_ALL_BYTES_PER_OUTPUT_BYTE)
+    held = 0 if cuda else int(RESPONSES_IN_FLIGHT * answer)
     loading = int(weights * int8_load_peak) if dtype == "int8" and not cuda else 0
     return Estimate(CUDA_RUNTIME if cuda else CPU_RUNTIME, tok, weights, act, detail, held, loading)
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import base64
+import json
+import time
 
 import httpx
 import numpy as np
@@ -223,16 +225,47 @@ def test_request_count_counts_failed_requests_too(minilm_torch):
     assert (count, failed, ok) == (3, 2, 1)
 
 
-def test_embed_all_refuses_an_answer_over_its_token_limit_before_any_forward():
+def test_embed_all_refuses_an_answer_over_its_token_limit_and_holds_few_answers_at_once():
     """Issue 53: /embed_all answers tokens x width floats; a request of many long inputs made a replica hold that
-    (a 32 x 8192-token bge-m3 request: ~1 GiB of float32 before JSON). Over --max-embed-all-tokens: 422 at once."""
+    (a 32 x 8192-token bge-m3 request: ~1 GiB of float32 before JSON). Over --max-embed-all-tokens: 422 at once.
+    And answers of every token's state in progress at once, from admission until sent, are at most
+    --max-token-answers (the memory estimate counts them): one more is 429, even while the one in progress waits
+    on a client that does not read it; its slot is free again once that client is gone."""
+    import socket
+
     from localcluster.models import minilm_onnx_dir
 
     from .conftest import run_server
 
-    with run_server(model_id=str(minilm_onnx_dir()), backend="onnxruntime", max_embed_all_tokens=40) as (url, st):
+    long = "a longer text that goes on " * 40  # truncated at MiniLM's 256 tokens
+    with run_server(model_id=str(minilm_onnx_dir()), backend="onnxruntime", max_embed_all_tokens=4096,
+                    max_token_answers=1) as (url, st):
         ok = httpx.post(url + "/embed_all", json={"inputs": ["a short one"]})
         assert ok.status_code == 200 and len(ok.json()[0]) < 40
-        r = httpx.post(url + "/embed_all", json={"inputs": ["a longer text " * 10] * 3})
-        assert r.status_code == 422 and "over the limit of 40 tokens (--max-embed-all-tokens)" in r.json()["error"]
-        assert httpx.post(url + "/embed", json={"inputs": ["a longer text " * 10] * 3}).status_code == 200
+        r = httpx.post(url + "/embed_all", json={"inputs": [long] * 17})
+        assert r.status_code == 422 and "over the limit of 4096 tokens (--max-embed-all-tokens)" in r.json()["error"]
+        assert httpx.post(url + "/embed", json={"inputs": [long] * 17}).status_code == 200
+        # 16 x 256 tokens x 384 floats: ~15 MB of JSON to a client that never reads it
+        body = json.dumps({"inputs": [long] * 16}).encode()
+        host, port = url.removeprefix("http://").split(":")
+        slow = socket.socket()
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect((host, int(port)))
+        slow.sendall(b"POST /embed_all HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 30
+        while st.svc().lanes.token_answers == 0:  # admitted; then its answer waits on the client
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1.0)
+        busy = httpx.post(url + "/embed_all", json={"inputs": ["a short one"]})
+        assert busy.status_code == 429 and "answers of every token's state in progress" in busy.json()["error"], \
+            busy.text
+        assert busy.headers["retry-after"] == "1"
+        assert httpx.post(url + "/embed", json={"inputs": ["others are served"]}).status_code == 200
+        slow.close()  # the client goes away: the slot is free again
+        deadline = time.monotonic() + 30
+        while (r := httpx.post(url + "/embed_all", json={"inputs": ["a short one"]})).status_code != 200:
+            assert r.status_code == 429 and time.monotonic() < deadline, r.text
+            time.sleep(0.2)
+        assert st.svc().lanes.token_answers == 0

@@ -210,9 +210,10 @@ def test_colbert_outputs_count_the_responses_a_replica_holds():
         s["model"]["outputs"] = outputs
         s["batching"] = {**s.get("batching", {}), "maxClientBatchSize": batch}
         return s
-    plain = R.sizing_of(parsed(with_outputs(INGEST, ["dense", "sparse"]))).replica
-    hybrid = R.sizing_of(parsed(with_outputs(INGEST, ["dense", "sparse", "colbert"]))).replica
-    assert plain.responses == 0 and plain.total == R.sizing_of(parsed(INGEST)).replica.total
+    # revision 5: ColBERT's alone (revision 6 counts /embed_all's too: the next test)
+    plain = R.sizing_of(parsed(with_outputs(INGEST, ["dense", "sparse"])), 5).replica
+    hybrid = R.sizing_of(parsed(with_outputs(INGEST, ["dense", "sparse", "colbert"])), 5).replica
+    assert plain.responses == 0 and plain.total == R.sizing_of(parsed(INGEST), 5).replica.total
     held = sizing.RESPONSES_IN_FLIGHT * 64 * 512 * 1024 * 4 * sizing.RESPONSE_BYTES_PER_OUTPUT_BYTE
     assert hybrid.responses == int(held) and hybrid.serving - plain.serving == hybrid.responses
     # int8: without ColBERT answers the loading peak (the weights' packed copies) is the larger; with them the
@@ -220,8 +221,8 @@ def test_colbert_outputs_count_the_responses_a_replica_holds():
     assert plain.loading > plain.serving
     assert plain.total == plain.runtime + plain.tokenizers + plain.weights + plain.loading
     assert hybrid.total == hybrid.runtime + hybrid.tokenizers + hybrid.weights + hybrid.serving
-    assert "ColBERT responses" in hybrid.describe() and "ColBERT" not in plain.describe()
-    smaller = R.sizing_of(parsed(with_outputs(INGEST, ["dense", "sparse", "colbert"], batch=16))).replica
+    assert "answers of every token's state" in hybrid.describe() and "answers" not in plain.describe()
+    smaller = R.sizing_of(parsed(with_outputs(INGEST, ["dense", "sparse", "colbert"], batch=16)), 5).replica
     assert smaller.responses * 4 == hybrid.responses  # linear in the request's tokens
     limit = sizing.parse_quantity(container(render(with_outputs(INGEST, ["dense", "colbert"])))
                                   ["resources"]["limits"]["memory"])
@@ -229,6 +230,42 @@ def test_colbert_outputs_count_the_responses_a_replica_holds():
     gpu = copy.deepcopy(MIG)
     gpu["model"]["outputs"] = ["dense", "colbert"]
     assert R.sizing_of(parsed(gpu)).replica.responses == 0
+
+
+def test_an_embedders_embed_all_answers_are_counted_from_revision_6():
+    """Issue 53: an embedder answers /embed_all, every token's state (tokens x width floats, then their JSON). The
+    server holds at most sizing.RESPONSES_IN_FLIGHT answers of every token's state at once (--max-token-answers),
+    of at most EMBED_ALL_TOKENS tokens each (--max-embed-all-tokens; no more than a request can carry): from
+    revision 6 the estimate counts them, the larger of them and ColBERT's. A reranker, a SPLADE model and a GPU's
+    slice add nothing; a Deployment at revision 5 keeps the limit its pods were given. The server's defaults are
+    the estimate's."""
+    from embedops_server.settings import Settings
+
+    bge = {"model": {"id": "BAAI/bge-m3", "maxInputLength": 512}, "accelerator": {"cpu": {"cores": 4}},
+           "batching": {"maxBatchTokens": 8192}}
+    new, old = R.sizing_of(parsed(bge)).replica, R.sizing_of(parsed(bge), 5).replica
+    per_answer = sizing.EMBED_ALL_TOKENS * 1024 * 4 * sizing.EMBED_ALL_BYTES_PER_OUTPUT_BYTE
+    assert new.responses == int(sizing.RESPONSES_IN_FLIGHT * per_answer) and old.responses == 0
+    assert new.total - old.total == new.responses  # float32: serving is the peak
+    assert M.cpu_memory(parsed(bge), R.sizing_of(parsed(bge))) == "3840Mi"
+    assert M.cpu_memory(parsed(bge), R.sizing_of(parsed(bge), 5)) == "3584Mi"
+    # a request cannot carry more than maxClientBatchSize x the longest input
+    few = copy.deepcopy(bge)
+    few["batching"]["maxClientBatchSize"] = 4
+    assert R.sizing_of(parsed(few)).replica.responses * 4 == new.responses  # 4 x 512 = 2048 tokens, not 8192
+    # ColBERT's answers, when larger, are the ones counted (not both: the server holds two answers of either kind)
+    colbert = copy.deepcopy(bge)
+    colbert["model"]["outputs"], colbert["batching"]["maxClientBatchSize"] = ["dense", "colbert"], 64
+    both = R.sizing_of(parsed(colbert)).replica
+    assert both.responses == int(sizing.RESPONSES_IN_FLIGHT * 64 * 512 * 1024 * 4 * sizing.RESPONSE_BYTES_PER_OUTPUT_BYTE)
+    for other in ({"id": "cross-encoder/ms-marco-MiniLM-L-6-v2"},
+                  {"id": "sentence-transformers/all-MiniLM-L6-v2", "task": "sparse"}):
+        spec = {**copy.deepcopy(bge), "model": {**other, "maxInputLength": 256}}
+        assert R.sizing_of(parsed(spec)).replica.responses == 0, other
+    assert R.sizing_of(parsed(MIG)).replica.responses == 0
+    settings = Settings()
+    assert (settings.max_embed_all_tokens, settings.max_token_answers) == (sizing.EMBED_ALL_TOKENS,
+                                                                          sizing.RESPONSES_IN_FLIGHT)
 
 
 def test_quantities_are_written_as_the_api_server_stores_them():
@@ -246,7 +283,7 @@ def test_the_estimate_counts_the_tokenizers_the_server_holds_and_int8s_loading_p
     weights' packed copies, about half the weights above them: docs/server.md#memory) is counted. A service whose
     Deployment keeps an older revision keeps the limit its pods were given, and its status says that limit."""
     spec = parsed(INGEST)  # 4 cores
-    new, old = R.sizing_of(spec).replica, R.sizing_of(spec, 3).replica
+    new, old = R.sizing_of(spec, 5).replica, R.sizing_of(spec, 3).replica  # (revision 6 adds /embed_all's answers)
     per_tokenizer = sizing.TOKENIZER_BASE + sizing.TOKENIZER_BYTES_PER_PIECE * 250002
     env = {e["name"]: e.get("value") for e in container(render(INGEST))["env"]}
     assert env["TOKENIZATION_WORKERS"] == "1"

@@ -32,7 +32,10 @@ CPU_DOWNLOAD_INT8 = {**CPU, "model": {"id": "BAAI/bge-m3", "quantize": "int8", "
                      "apiKeySecretRef": {"name": "key", "key": "token"}, "env": [{"name": "LOG_LEVEL", "value": "debug"}]}
 # a spec field a revision introduced: its case is rendered from that revision on (older files never held it)
 CPU_LANES = {**CPU, "lanes": {"enabled": True, "default": "batch", "batchService": True}}
-SINCE = {"cpu-lanes": 3}
+# an estimated CPU limit that counts /embed_all's answers (revision 6)
+CPU_FLOAT32_BGE_M3 = {"model": {"id": "BAAI/bge-m3", "maxInputLength": 512}, "accelerator": {"cpu": {"cores": 4}},
+                      "batching": {"maxBatchTokens": 8192}}
+SINCE = {"cpu-lanes": 3, "cpu-float32-bge-m3": 6}
 
 
 def cases(revision: int) -> dict[str, dict]:
@@ -41,7 +44,7 @@ def cases(revision: int) -> dict[str, dict]:
         "mig-embedder.yaml", "mig-reranker.yaml", "cpu-ingestion.yaml", "bge-m3-cpu-ingestion.yaml")}
     for name, spec in (("gpu", GPU), ("mig", MIG), ("cpu", CPU), ("cpu-scale-to-zero", SCALE_TO_ZERO),
                        ("mig-download-api-key", DOWNLOAD), ("cpu-download-int8", CPU_DOWNLOAD_INT8),
-                       ("cpu-lanes", CPU_LANES)):
+                       ("cpu-lanes", CPU_LANES), ("cpu-float32-bge-m3", CPU_FLOAT32_BGE_M3)):
         if revision >= SINCE.get(name, 0):
             out[name] = defaulted(es(copy.deepcopy(spec), name="svc", uid="u"))
     return out

@@ -81,6 +81,8 @@ TEMPLATE_REVISIONS = {
        "and int8's loading peak (memory.ESTIMATE_REVISION)",
     5: "a hub model without a commit in model.revision: every container that resolves it reads PINNED_REVISION "
        "from the track's `<track>-model-commit` ConfigMap (optional), the commit its first replica resolved",
+    6: "the CPU memory estimate counts an embedder's /embed_all answers: the server holds at most two answers of "
+       "every token's state at once, of at most 8192 tokens each (memory.TOKEN_ANSWERS_REVISION)",
 }
 TEMPLATE_REVISION = max(TEMPLATE_REVISIONS)
 ANNOTATION_TEMPLATE_REVISION = "embedops.dev/template-revision"
@@ -142,14 +144,7 @@ class Tracks:
 # ---------------------------------------------------------------------------------------------------- helpers
 
 def detect_task(model: ModelSpec) -> str:
-    if model.task:
-        return model.task
-    ident = model.id.lower()
-    if "rerank" in ident or "cross-encoder" in ident or "ms-marco" in ident:
-        return "rerank"
-    if "splade" in ident:
-        return "sparse"
-    return "embed"
+    return model.detected_task
 
 
 def accelerator_summary(spec: EmbeddingServiceSpec) -> str:

@@ -64,6 +64,10 @@ class Lanes:
         self.enabled = enabled
         self.separate = engines[INTERACTIVE] is not engines[BATCH]
         self._in_flight = {lane: 0 for lane in LANES}
+        # answers of every token's state (/embed_all, ColBERT: tokens x width floats, then their JSON) held at
+        # once, from admission until sent: the memory estimate counts this many (sizing.RESPONSES_IN_FLIGHT)
+        self.max_token_answers = 2
+        self.token_answers = 0
 
     @classmethod
     def one(cls, engine: Engine, enabled: bool = False, batch_limit: int | None = None) -> "Lanes":
@@ -134,6 +138,19 @@ class Lanes:
     def release(self, lane: str, n: int) -> None:
         self.engines[lane].in_flight -= n
         self._in_flight[lane] -= n
+
+    def admit_token_answer(self) -> None:
+        """Count in an answer of every token's state, or raise EngineError(OVERLOADED) (429, Retry-After) while
+        `max_token_answers` are in progress: each holds up to --max-embed-all-tokens x width floats (a ColBERT
+        request, its inputs' tokens), and what a replica holds must not grow with the number of such clients.
+        Never a request that cannot pass: one is always admitted on its own. Event loop only."""
+        if self.token_answers >= self.max_token_answers:
+            raise EngineError(OVERLOADED, f"Model is overloaded ({self.token_answers} answers of every token's "
+                                          "state in progress)", retry_after=1)
+        self.token_answers += 1
+
+    def release_token_answer(self) -> None:
+        self.token_answers -= 1
 
     def healthy(self) -> bool:
         return all(e.healthy() for e in self.distinct())

@@ -1,5 +1,6 @@
-"""Pure-ASGI middleware: payload limit (JSON 413, also for chunked bodies) and bearer-token auth; and
-``Connection: close`` on every answer while the server drains, or on a connection older than its age limit."""
+"""Pure-ASGI middleware: payload limit (JSON 413, also for chunked bodies) and bearer-token auth; ``Connection:
+close`` on every answer while the server drains, or on a connection older than its age limit; and what a request
+holds until its answer is sent."""
 from __future__ import annotations
 
 import hmac
@@ -111,3 +112,41 @@ class ConnectionCloseMiddleware:
             await send(message)
 
         return await self.app(scope, receive, send_closing)
+
+
+AFTER_RESPONSE_KEY = "embedops.after_response"  # request.scope: callbacks to run once the answer is sent
+
+
+class AfterResponseMiddleware:
+    """Runs the callbacks a route left in the scope (``AFTER_RESPONSE_KEY``) once its answer is sent, or the app
+    failed, or its client went away: what a request holds until then, an answer-of-every-token's-state slot
+    (core/lanes.py), is held to the end. "Sent" means handed to the kernel, less a chunk: uvicorn waits for its
+    transport's buffer to drain before a body message, not after, so a body sent whole would sit in that buffer
+    (17 MB of /embed_all JSON to a client that does not read) and the app would return at once. A large body is
+    sent in chunks of ``CHUNK`` bytes instead, so a client that reads slowly holds the slot, not a second copy of
+    what the slot counts."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_in_chunks(message):
+            body = message.get("body", b"") if message["type"] == "http.response.body" else b""
+            if len(body) <= self.CHUNK:
+                return await send(message)
+            view, more = memoryview(body), message.get("more_body", False)
+            for start in range(0, len(body), self.CHUNK):
+                last = start + self.CHUNK >= len(body)
+                await send({"type": "http.response.body", "body": view[start:start + self.CHUNK],
+                            "more_body": more or not last})
+
+        try:
+            return await self.app(scope, receive, send_in_chunks)
+        finally:
+            for callback in scope.pop(AFTER_RESPONSE_KEY, ()):
+                callback()

@@ -13,6 +13,7 @@ from ..core.model_info import EMBEDDER
 from ..service import Service
 from ..settings import Settings
 from .errors import INPUTS_KEY, ApiError, count_request
+from .middleware import AFTER_RESPONSE_KEY
 from .timing import ENGINE_REQUEST_KEY
 from .metrics import Metrics, after_response
 
@@ -140,6 +141,10 @@ class AppState:
         request.scope[INPUTS_KEY] = n
         lane = self.lane(request, n, query)
         engine = lanes.engine(lane)
+        if need_tokens or (outputs is not None and "colbert" in outputs):
+            lanes.admit_token_answer()  # 429 while as many answers of every token's state are in progress
+            # held until the answer is sent (middleware.AfterResponseMiddleware), not only computed
+            request.scope.setdefault(AFTER_RESPONSE_KEY, []).append(lanes.release_token_answer)
         try:
             lanes.admit(lane, n)  # raises Overloaded (429 + Retry-After) at once
         except EngineError as exc:
