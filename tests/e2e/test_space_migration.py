@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
+from localcluster.models import MINILM
 from localcluster.workloads import prerequisites
 from tests.e2e.conftest import GROUP, PLURAL, VERSION, wait_for
 from tests.e2e.real_pods import client_pod, exec_in, pod_log, run_client, wait_pod_phase
@@ -88,8 +90,8 @@ while not os.path.exists("/tmp/stop") and time.time() - t0 < float(os.environ["M
 MAX_CONNECTION_AGE = 3
 
 
-def spaces_of(svc, role: str | None = None) -> dict:
-    return {x["role"]: x for x in (svc.get(NAME).get("status") or {}).get("spaces") or []}
+def spaces_of(svc, name: str = NAME) -> dict:
+    return {x["role"]: x for x in (svc.get(name).get("status") or {}).get("spaces") or []}
 
 
 def promote(svc, key: str) -> float:
@@ -223,3 +225,90 @@ def test_a_model_change_never_mixes_two_spaces_behind_the_service_address(kube, 
     assert kr[0][2] - promoted <= MAX_CONNECTION_AGE + 1, pooled_summary
     assert kr[1][2] - rolled_back <= MAX_CONNECTION_AGE + 1, pooled_summary
     svc.delete(NAME)
+
+
+PINNED = "pinned"
+HUB_MODEL = "embedops/minilm-pinned"
+
+
+def hub_cache(root: Path, models: Path) -> tuple[str, str]:
+    """A Hugging Face hub cache at ``root/hub`` as a platform team's shared model PVC holds it: one model, two
+    commits (A: all-MiniLM-L6-v2 as the suite serves it, its ONNX graph included; B: the same with CLS pooling,
+    another space), the branch main on A. Files are hard links of the suite's model folder where the filesystem allows."""
+    import hashlib
+    import os
+    import shutil
+
+    repo = root / "hub" / f"models--{HUB_MODEL.replace('/', '--')}"
+    shutil.rmtree(root, ignore_errors=True)
+    src = models / MINILM
+    a, b = (hashlib.sha1(f"{HUB_MODEL} {x}".encode()).hexdigest() for x in "AB")
+    for commit in (a, b):
+        for f in src.rglob("*"):
+            if f.is_dir():
+                continue
+            dst = repo / "snapshots" / commit / f.relative_to(src)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(f, dst)
+            except OSError:
+                shutil.copy2(f, dst)
+    pooling = repo / "snapshots" / b / "1_Pooling" / "config.json"
+    cfg = json.loads(pooling.read_text())
+    cfg.update({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False})
+    pooling.unlink()  # a hard link: the suite's own file stays as it is
+    pooling.write_text(json.dumps(cfg))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(a)
+    for d, _, files in os.walk(root):
+        os.chmod(d, 0o755)
+        for f in files:
+            os.chmod(os.path.join(d, f), 0o644)
+    return a, b
+
+
+def test_a_branch_that_moves_never_reaches_a_running_space(kube, real, ns, svc):
+    """Issue 52's unpinned revision: a hub model named without a commit, from a shared hub cache whose branch a
+    platform's sync job moves to a new upstream commit. Before, each new pod resolved the branch when it started:
+    a scale-up after the move loaded the new commit, and one address answered from two spaces. Now the track's
+    first replica's commit is pinned (ConfigMap `<track>-model-commit`, read by every later pod). Without the pin
+    (PINNED_REVISION set empty in the manifest, tried once) the scale-up's pod loaded B."""
+    if not real.local_node:
+        pytest.skip("writes the hub cache on the node's filesystem: the harness's own real node only")
+    root = Path(real.models_hostpath).with_name(Path(real.models_hostpath).name + "-hub")
+    a, b = hub_cache(root, Path(real.models_hostpath))
+    doc = on_real_node(example(), real)
+    doc["metadata"]["name"] = PINNED
+    model = doc["spec"]["model"]
+    model.update({"id": HUB_MODEL, "source": {"pvc": {"claimName": "embedops-hub"}}})
+    model.pop("pooling", None)  # the commit's own pooling: B is another space
+    doc["spec"]["accelerator"]["cpu"]["memory"] = "1Gi"
+    doc["spec"].pop("networkPolicy", None)
+    prerequisites(kube, ns, [doc], host_path=str(root))
+    svc.create(doc)
+    wait_ready(svc, PINNED, real)
+    pinned = wait_for(lambda: (spaces_of(svc, PINNED).get("serving") or {}).get("commit"), timeout=60,
+                      what="the first replica's commit pinned")
+    assert pinned == a
+    first_space = spaces_of(svc, PINNED)["serving"]["fingerprint"]
+    cm = svc.core.read_namespaced_config_map(f"{PINNED}-model-commit", ns)
+    assert cm.data == {"commit": a}
+    # the platform's sync job moves main to the new upstream commit; then a scale-up
+    (root / "hub" / f"models--{HUB_MODEL.replace('/', '--')}" / "refs" / "main").write_text(b)
+    svc.co.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, PINNED, {"spec": {"replicas": 2}})
+    pods = wait_ready(svc, PINNED, real, replicas=2)
+    reports = {}
+    for p in pods:
+        for cs in p.status.init_container_statuses or []:
+            if cs.name == "prepare" and cs.state.terminated:
+                reports[p.metadata.name] = json.loads(cs.state.terminated.message.strip()[len("prepared "):])
+    print(f"pinned: {a}; main moved to {b}; the pods loaded: "
+          f"{ {n: (r.get('commit'), r.get('space')) for n, r in reports.items()} }")
+    assert len(reports) == 2 and {r.get("commit") for r in reports.values()} == {a}, reports
+    assert {r.get("space") for r in reports.values()} == {first_space}, reports
+    status = svc.get(PINNED)["status"]
+    assert not any(c.get("reason") == "MixedSpaces" for c in status.get("conditions") or []), status
+    assert spaces_of(svc, PINNED)["serving"]["fingerprint"] == first_space
+    svc.delete(PINNED)
+    import shutil
+    shutil.rmtree(root, ignore_errors=True)
