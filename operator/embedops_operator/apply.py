@@ -22,29 +22,14 @@ from typing import Any, Iterable
 
 from kubernetes.client.rest import ApiException
 
-from . import litellm, metrics, render, spec
+from . import kinds, litellm, metrics, render
 from .runtime.client import Client
 
 log = logging.getLogger("embedops.apply")
 
-# Kinds the operator writes: (apiVersion, kind) → plural. Children are pruned from this list only.
-PLURALS: dict[tuple[str, str], str] = {
-    ("apps/v1", "Deployment"): "deployments",
-    ("v1", "Service"): "services",
-    ("v1", "ConfigMap"): "configmaps",
-    ("v1", "Pod"): "pods",
-    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
-    ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
-    ("batch/v1", "Job"): "jobs",
-    render.NETWORKPOLICY: "networkpolicies",
-    (spec.API_VERSION, spec.KIND): spec.PLURAL,
-    render.SERVICEMONITOR: "servicemonitors",
-    render.HTTPROUTE: "httproutes",
-    render.SCALEDOBJECT: "scaledobjects",
-}
-OWNED_KINDS = [("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"), ("batch/v1", "Job"),
-               ("autoscaling/v2", "HorizontalPodAutoscaler"), render.NETWORKPOLICY,
-               render.SERVICEMONITOR, render.HTTPROUTE, render.SCALEDOBJECT]
+# The kinds the operator reads and writes, and the children it prunes (kinds.py, the one table of them)
+PLURALS = kinds.PLURALS
+OWNED_KINDS = kinds.OWNED
 VOLATILE_META = ("managedFields", "resourceVersion", "generation", "creationTimestamp", "uid", "selfLink")
 
 
@@ -71,7 +56,7 @@ class Kube(Client):
     field manager, its Events' source, and its request counter (embedops_operator_api_requests)."""
 
     plurals = PLURALS
-    optional_kinds = tuple(render.OPTIONAL_KINDS)
+    optional_kinds = kinds.OPTIONAL
     field_manager = render.MANAGER
     component = "embedops-operator"
     reporting_controller = "embedops.dev/operator"
@@ -269,7 +254,7 @@ def prune(kube: Kube, resource: dict, desired: list[dict], capabilities: frozens
     selector = f"{render.LABEL_MANAGED_BY}={render.MANAGER},{render.LABEL_SERVICE}={name}"
     deleted = []
     for api_version, kind in OWNED_KINDS:
-        if (api_version, kind) in render.OPTIONAL_KINDS and (api_version, kind) not in capabilities:
+        if (api_version, kind) in kinds.OPTIONAL and (api_version, kind) not in capabilities:
             continue
         try:
             items = kube.list(api_version, kind, ns, selector)

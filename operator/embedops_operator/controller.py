@@ -19,7 +19,7 @@ import threading
 import time
 from functools import partial
 
-from . import apply, metrics, render, spec
+from . import apply, kinds, metrics, render, spec
 from .runtime import client, watchcache
 from .runtime.cachedkube import CachedKube
 from .reconcile import Reconciler
@@ -35,19 +35,11 @@ COALESCE_SECONDS = 1.0
 FULL_RESYNC_EVERY = 10
 PROBE_SECONDS = 1.0  # /readyz while the API server is unavailable
 RECOVERY_MIN_INTERVAL = 5.0  # re-queue failed services at most this often (a flapping API server)
-ES = (spec.API_VERSION, spec.KIND)
+ES = kinds.EMBEDDING_SERVICE
+# what an informer lists (kinds.py's `watch`) -> its label selector (None: every object)
+SELECTORS = {"all": None, "managed": MANAGED, "litellm": f"{render.LABEL_LITELLM}=true"}
 # kind -> the label selector of its informer; the optional kinds are added when their CRD is served
-CORE_KINDS: dict[tuple[str, str], str | None] = {
-    ES: None,
-    ("apps/v1", "Deployment"): MANAGED,
-    ("v1", "Service"): MANAGED,
-    ("v1", "Pod"): MANAGED,
-    ("policy/v1", "PodDisruptionBudget"): MANAGED,
-    ("autoscaling/v2", "HorizontalPodAutoscaler"): MANAGED,
-    ("batch/v1", "Job"): MANAGED,  # a new embedding space's reindex Job: its end promotes
-    ("networking.k8s.io/v1", "NetworkPolicy"): MANAGED,  # spec.networkPolicy: drift is put back
-    ("v1", "ConfigMap"): f"{render.LABEL_LITELLM}=true",
-}
+CORE_KINDS: dict[tuple[str, str], str | None] = {key: SELECTORS[w] for key, w in kinds.watched(optional=False).items()}
 
 
 def _pod_view(pod: dict) -> dict:
@@ -136,9 +128,9 @@ class Controller:
             inf.stop(join=0)
 
     def _optional_kinds(self, capabilities: frozenset) -> None:
-        for api_version, kind in render.OPTIONAL_KINDS:
+        for (api_version, kind), watch in kinds.watched(optional=True).items():
             if (api_version, kind) in capabilities:
-                self._start_kind(api_version, kind, MANAGED)
+                self._start_kind(api_version, kind, SELECTORS[watch])
             elif (api_version, kind) in self.cache.informers:
                 self._stop_kind(api_version, kind)
 
@@ -242,8 +234,7 @@ class Controller:
             return None
         meta = es.get("metadata") or {}
         parts.append((meta.get("resourceVersion"), meta.get("generation")))
-        kinds = [k for k in apply.OWNED_KINDS if k not in render.OPTIONAL_KINDS or k in self.cache.informers] + [("v1", "Pod")]
-        for api_version, kind in kinds:
+        for api_version, kind in [k for k in kinds.children() if k not in kinds.OPTIONAL or k in self.cache.informers]:
             inf = self.cache.informer_for(api_version, kind, ns)
             if inf is None or not inf.synced:
                 return None

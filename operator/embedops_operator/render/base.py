@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import kinds
 from ..settings import OperatorSettings
 from ..spec import EmbeddingServiceSpec, ModelSpec
 
@@ -24,12 +25,11 @@ LABEL_SPACE = "embedops.dev/space"  # on a space's own Service: its key
 LABEL_LITELLM = "embedops.dev/litellm"  # on ConfigMaps holding LiteLLM entries, so stale ones can be found
 ANNOTATION_HASH = "embedops.dev/applied-hash"
 
-SERVICEMONITOR = ("monitoring.coreos.com/v1", "ServiceMonitor")
-HTTPROUTE = ("gateway.networking.k8s.io/v1", "HTTPRoute")
-SCALEDOBJECT = ("keda.sh/v1alpha1", "ScaledObject")
-NETWORKPOLICY = ("networking.k8s.io/v1", "NetworkPolicy")
-OPTIONAL_KINDS = (SERVICEMONITOR, HTTPROUTE, SCALEDOBJECT)
-FEATURE_OF_KIND = {SERVICEMONITOR: "monitoring", HTTPROUTE: "routes", SCALEDOBJECT: "autoscaling"}  # spec feature
+# the kinds rendered here, as the operator's table of kinds (kinds.py) names them
+SERVICEMONITOR, HTTPROUTE, SCALEDOBJECT = kinds.SERVICEMONITOR, kinds.HTTPROUTE, kinds.SCALEDOBJECT
+NETWORKPOLICY = kinds.NETWORKPOLICY
+OPTIONAL_KINDS = kinds.OPTIONAL
+FEATURE_OF_KIND = kinds.FEATURE_OF  # the spec feature each optional kind serves
 
 # OpenAI clients pointed at <gateway><pathPrefix>/v1 list models before embedding; Cohere/Jina clients rerank
 # at /v1/rerank. Without a pathPrefix or hostnames, services sharing a gateway share these paths too.
