@@ -341,7 +341,9 @@ class Reconciler:
             live = self.kube.get("apps/v1", "Deployment", ns, track.name)
             if live is None or (apply.controller_of(live) or {}).get("uid") != intent.uid:
                 continue
-            if ANNOTATION_MODEL_COMMIT in ((live.get("metadata") or {}).get("annotations") or {}):
+            pinned = ((live.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_MODEL_COMMIT)
+            if pinned:
+                self._repair_commit_record(intent, track.name, live, pinned, pods.get(track.name, []))
                 continue
             server = next((c for c in live["spec"]["template"]["spec"].get("containers") or []
                            if c.get("name") == "server"), {})
@@ -350,17 +352,42 @@ class Reconciler:
             commit = status.first_commit(pods.get(track.name, []))
             if commit is None:
                 continue
-            self.kube.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
-                "name": render.commit_config_map(track.name), "namespace": ns,
-                "labels": {render.LABEL_SERVICE: intent.name, render.LABEL_INSTANCE: track.name},
-                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": track.name,
-                                     "uid": live["metadata"]["uid"]}]}, "data": {"commit": commit}},
-                manager=COMMIT_MANAGER)
+            self._write_commit_record(intent, track.name, live, commit)
             self.kube.apply({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {
                 "name": track.name, "namespace": ns, "annotations": {ANNOTATION_MODEL_COMMIT: commit}}},
                 manager=COMMIT_MANAGER)
             log.info("%s/%s: the model commit of track %s pinned to %s (its first replica's)", ns, intent.name,
                      track.name, commit)
+
+    def _write_commit_record(self, intent: Intent, track: str, live: dict, commit: str) -> None:
+        """The ConfigMap a track's pods read PINNED_REVISION from (owned by its Deployment: it goes with it)."""
+        self.kube.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
+            "name": render.commit_config_map(track), "namespace": intent.namespace,
+            "labels": {render.LABEL_SERVICE: intent.name, render.LABEL_INSTANCE: track},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": track,
+                                 "uid": live["metadata"]["uid"]}]}, "data": {"commit": commit}},
+            manager=COMMIT_MANAGER)
+
+    def _repair_commit_record(self, intent: Intent, track: str, live: dict, commit: str, pods: list[dict]) -> None:
+        """A pinned track's ConfigMap deleted or edited (a clean-up, another tool's prune) would let its next pod
+        resolve the branch again. The ConfigMap is not watched (the cache holds only LiteLLM's), so it is read
+        from the API server only while a pod of the track is starting, when a pod reads it: nothing at rest.
+        Written back from the Deployment's record, with an Event. A pod that started in the gap may have loaded
+        another commit: MixedSpaces says so (status.py), and deleting it reloads it at the pinned commit."""
+        starting = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp") and not any(
+            c.get("type") == "Ready" and c.get("status") == "True" for c in (p.get("status") or {}).get("conditions") or [])]
+        if not starting:
+            return
+        name = render.commit_config_map(track)
+        found = self.kube.get_from_server("v1", "ConfigMap", intent.namespace, name)
+        if found is not None and (found.get("data") or {}).get("commit") == commit:
+            return
+        self._write_commit_record(intent, track, live, commit)
+        what = "deleted" if found is None else f"changed to {(found.get('data') or {}).get('commit')!r}"
+        message = (f"ConfigMap {name} ({what}) written again with the commit track {track} pinned, {commit}: "
+                   f"its starting pods load that commit")
+        self.kube.event(intent.resource, "Warning", "ModelCommitRepaired", message)
+        log.warning("%s/%s: ModelCommitRepaired: %s", intent.namespace, intent.name, message)
 
     def _litellm_clashes(self, intent: Intent, manifests: list[dict]) -> tuple[list[str], list[dict]]:
         """A model name another service's entry already serves in the shared LiteLLM ConfigMap: said in the status

@@ -462,3 +462,21 @@ def test_a_track_pins_the_commit_its_first_replica_loaded_once(kube):
     writes = kube.writes
     rec.reconcile("ml", "svc")
     assert kube.writes == writes  # recorded once
+
+    # the ConfigMap deleted (a clean-up): nothing is read or written at rest, and once a pod of the track starts
+    # (a scale-up, a restart) it is written back from the Deployment's record, with an Event
+    del kube.objects[("v1", "ConfigMap", "ml", "svc-model-commit")]
+    rec.reconcile("ml", "svc")
+    assert ("v1", "ConfigMap", "ml", "svc-model-commit") not in kube.objects and kube.writes == writes
+    kube.objects[("v1", "Pod", "ml", "svc-2")] = {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "svc-2", "namespace": "ml", "creationTimestamp": "2026-12-07T07:00:00Z",
+                     "labels": {R.LABEL_SERVICE: "svc", R.LABEL_INSTANCE: "svc", R.LABEL_NAME: "embedops-server"}},
+        "status": {"conditions": [{"type": "Ready", "status": "False"}]}}
+    rec.reconcile("ml", "svc")
+    assert kube.objects[("v1", "ConfigMap", "ml", "svc-model-commit")]["data"] == {"commit": first}
+    assert "ModelCommitRepaired" in [e[2] for e in kube.events]
+    # edited to another commit: the same
+    kube.objects[("v1", "ConfigMap", "ml", "svc-model-commit")]["data"] = {"commit": later}
+    rec.reconcile("ml", "svc")
+    assert kube.objects[("v1", "ConfigMap", "ml", "svc-model-commit")]["data"] == {"commit": first}
