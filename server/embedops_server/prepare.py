@@ -38,7 +38,7 @@ def prepare(s: Settings) -> dict:
     t0 = time.perf_counter()
     from .service import space_of
 
-    info = load_model_info(s.model_id, s.pooling, s.model_revision)
+    info = load_model_info(s.model_id, s.pooling, s.model_revision, s.dense_path, s.huggingface_hub_cache, s.token)
     summary: dict = {"model": str(info.path), "commit": info.commit, "space": space_of(s, info).fingerprint}
     if not runs_onnx(s):
         summary["prepared"] = "nothing (this server runs torch)"

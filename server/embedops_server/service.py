@@ -168,7 +168,7 @@ def space_of(s: Settings, info: ModelInfo) -> EmbeddingSpace:
 
 def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
     t0 = time.perf_counter()
-    info = load_model_info(s.model_id, s.pooling, s.model_revision)
+    info = load_model_info(s.model_id, s.pooling, s.model_revision, s.dense_path, s.huggingface_hub_cache, s.token)
     max_len = effective_max_input_length(s, info)
     check_outputs(s.outputs, info)
     space = space_of(s, info)

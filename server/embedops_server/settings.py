@@ -45,6 +45,11 @@ class ProcessEnvironment(EnvSettingsSource):
             # Docker and Kubernetes set HOSTNAME to the container's or pod's name: only an address counts.
             if name in values and not _is_ip(values[name]):
                 del values[name]
+        for name in getattr(self.settings_cls, "NUMBER_ONLY_VARIABLES", ()):
+            # Kubernetes' service links set <SERVICE>_PORT=tcp://<ip>:<port> in every pod of the namespace: a
+            # Service named prometheus sets PROMETHEUS_PORT. Only a number counts.
+            if name in values and not str(values[name]).strip().isdigit():
+                del values[name]
         return values
 
 
@@ -100,6 +105,7 @@ class Settings(EnvironmentSettings):
     """embedops-server's flags (TEI's names and defaults; port 8080 here)."""
 
     IP_ONLY_VARIABLES: ClassVar[tuple[str, ...]] = ("hostname",)
+    NUMBER_ONLY_VARIABLES: ClassVar[tuple[str, ...]] = ("prometheus_port",)
 
     model_id: str = Field("", description="local model folder (Hugging Face layout)")
     revision: str = Field("main", description="hub revision (branch, tag or commit) looked up in the Hugging Face "
@@ -195,6 +201,30 @@ class Settings(EnvironmentSettings):
     cors_allow_origin: str | None = Field(None, description="browser origins allowed to call the API "
                                           "(comma-separated, or *); preflights allow Authorization as well as "
                                           "Content-Type. Default: no CORS headers")
+    # TEI's remaining flags (issue 54): the same names and variables, so a TEI command line starts embedops
+    hf_token: str | None = Field(None, repr=False, description="Hugging Face token for a gated or private hub model "
+                                 "(default: huggingface_hub's own, HF_TOKEN or its token file)")
+    hf_api_token: str | None = Field(None, repr=False, description="the deprecated name of --hf-token (TEI's)")
+    huggingface_hub_cache: str | None = Field(None, description="the Hugging Face hub cache a hub model is read from "
+                                              "and downloaded into (default: huggingface_hub's, under HF_HOME)")
+    dense_path: str | None = Field(None, description="the sentence-transformers Dense module folder, relative to the "
+                                   "model's (e.g. 2_Dense_256), used instead of the ones modules.json names; it is "
+                                   "part of the embedding space")
+    prometheus_port: int | None = Field(None, ge=1, le=65535, description="serve /metrics on this port, and not on "
+                                        "--port: a Service or NetworkPolicy can expose the API without the metrics "
+                                        "(default: on --port, as TEI's HTTP build, which ignores this flag)")
+    otlp_endpoint: str | None = Field(None, description="accepted for TEI's command lines: no traces are exported "
+                                      "yet (a warning at start)")
+    otlp_service_name: str = Field("text-embeddings-inference.server", description="accepted for TEI's command "
+                                   "lines (with --otlp-endpoint)")
+    disable_spans: bool = Field(False, description="accepted for TEI's command lines: the JSON logs carry no spans")
+    uds_path: str | None = Field(None, description="accepted for TEI's command lines: TEI's socket to its Python "
+                                 "backend; the model runs in this process")
+
+    @property
+    def token(self) -> str | None:
+        """--hf-token, else its deprecated name."""
+        return self.hf_token or self.hf_api_token
 
     @property
     def model_revision(self) -> str:
@@ -235,6 +265,9 @@ class Settings(EnvironmentSettings):
                              f"(--max-concurrent-requests {m} x --batch-lane-share {self.batch_lane_share}): a batch "
                              f"request of {self.batch_lane_limit + 1}-{c} inputs could never be admitted (429 "
                              "forever); lower --max-client-batch-size, raise the others, or --lanes false")
+        if self.prometheus_port and self.prometheus_port in (self.port, self.batch_port):
+            raise ValueError(f"--prometheus-port {self.prometheus_port} is the API's port: give the metrics a port "
+                             "of their own, or leave it unset to serve them on --port")
         return self
 
     @property

@@ -74,8 +74,9 @@ def run_server(wait: bool = True, **kw):
     config = server_config(app, settings, host="127.0.0.1", timeout_graceful_shutdown=5)
     server = DrainingServer(config, app.fastapi.state.embedops)
     sockets = None
-    if settings.batch_port:  # as router/server.py's serve: one server on both ports
-        sockets = [listening_socket("127.0.0.1", settings.port), listening_socket("127.0.0.1", settings.batch_port)]
+    extra = [p for p in (settings.batch_port, settings.prometheus_port) if p]
+    if extra:  # as router/server.py's serve: one server on every port
+        sockets = [listening_socket("127.0.0.1", p) for p in (settings.port, *extra)]
     t = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     t.start()
     url = f"http://127.0.0.1:{settings.port}"

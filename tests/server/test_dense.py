@@ -95,3 +95,33 @@ def test_pooling_configs_old_and_new(cfg, want, tmp_path):
         assert load_model_info(tmp_path, pooling="mean").pooling == "mean"  # --pooling overrides
     else:
         assert load_model_info(tmp_path).pooling == want
+
+
+def test_dense_path_picks_one_of_the_dense_modules_a_model_ships_and_its_space(dense_model, tmp_path):
+    """TEI's --dense-path (issue 54): a model that ships Dense modules for several output sizes (2_Dense_32 beside
+    modules.json's) serves the one named; the Dense module applied is part of the embedding space. A folder that
+    is not a Dense module, or outside the model's, is refused at start."""
+    import shutil
+
+    import torch
+    from sentence_transformers.models import Dense
+
+    from embedops_server.core.space import fingerprint
+
+    path, _ = dense_model
+    copy = tmp_path / "m"
+    shutil.copytree(path, copy)
+    torch.manual_seed(11)
+    (copy / "2_Dense_32").mkdir()
+    Dense(384, 32).save(str(copy / "2_Dense_32"))
+    default, small = load_model_info(copy), load_model_info(copy, dense_path="2_Dense_32")
+    assert [d.name for d in default.dense] == ["2_Dense", "3_Dense"] and small.dense == (copy / "2_Dense_32",)
+    space = lambda info: fingerprint(info, quantize=None, default_prompt=None, max_input_length=256)  # noqa: E731
+    assert space(default).fingerprint != space(small).fingerprint
+    for bad in ("no_such_folder", "../m", "1_Pooling", "modules.json"):
+        with pytest.raises(ModelError, match="--dense-path"):
+            load_model_info(copy, dense_path=bad)
+    with run_server(model_id=str(copy), backend="onnxruntime", onnx_cache=str(tmp_path / "c"),
+                    dense_path="2_Dense_32") as (url, st):
+        assert httpx.get(url + "/info").json()["hidden_size"] == 32
+        assert len(httpx.post(url + "/embed", json={"inputs": "x"}).json()[0]) == 32

@@ -143,9 +143,11 @@ def find_onnx(path: Path) -> Path | None:
     return None
 
 
-def resolve_model_path(model_id: str, revision: str | None = None) -> Path:
+def resolve_model_path(model_id: str, revision: str | None = None, cache_dir: str | None = None,
+                       token: str | None = None) -> Path:
     """A local folder as is; a hub id from the Hugging Face cache (the operator's download init container
-    fills $HF_HOME), downloading only when the hub is not marked offline."""
+    fills $HF_HOME), downloading only when the hub is not marked offline. ``cache_dir``: --huggingface-hub-cache
+    (else the variables huggingface_hub reads); ``token``: --hf-token (else its own HF_TOKEN / token file)."""
     path = Path(model_id)
     if path.is_dir():
         return path
@@ -158,14 +160,15 @@ def resolve_model_path(model_id: str, revision: str | None = None) -> Path:
     rev = None if revision in (None, "", "main") else revision
     # Read at call time (huggingface_hub freezes its constants at import).
     home = os.environ.get("HF_HOME") or str(Path.home() / ".cache" / "huggingface")
-    cache = os.environ.get("HUGGINGFACE_HUB_CACHE") or os.environ.get("HF_HUB_CACHE") or str(Path(home) / "hub")
+    cache = (cache_dir or os.environ.get("HUGGINGFACE_HUB_CACHE") or os.environ.get("HF_HUB_CACHE")
+             or str(Path(home) / "hub"))
     try:
         return Path(snapshot_download(model_id, revision=rev, local_files_only=True, cache_dir=cache))
     except Exception as cached_error:
         if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
             raise ModelError(f"model {model_id} is not in the Hugging Face cache: {cached_error}") from None
     try:
-        return Path(snapshot_download(model_id, revision=rev, cache_dir=cache))
+        return Path(snapshot_download(model_id, revision=rev, cache_dir=cache, token=token or None))
     except Exception as e:
         raise ModelError(f"model {model_id} could not be found locally or downloaded: {e}") from None
 
@@ -201,8 +204,13 @@ def model_commit(path: Path) -> str | None:
     return ref if _SHA.match(ref) else None
 
 
-def load_model_info(path: str | Path, pooling: str | None = None, revision: str | None = None) -> ModelInfo:
-    path = resolve_model_path(str(path), revision)
+def load_model_info(path: str | Path, pooling: str | None = None, revision: str | None = None,
+                    dense_path: str | None = None, hub_cache: str | None = None,
+                    token: str | None = None) -> ModelInfo:
+    """``dense_path``: TEI's --dense-path, the sentence-transformers Dense module folder (relative to the model's)
+    used instead of the ones modules.json names (a model that ships several, e.g. `2_Dense_256` and
+    `2_Dense_1024`: one per output size)."""
+    path = resolve_model_path(str(path), revision, hub_cache, token)
     if not path.is_dir():
         raise ModelError(f"model {path} is not a local folder")
     if not (path / "tokenizer.json").exists():
@@ -240,6 +248,16 @@ def load_model_info(path: str | Path, pooling: str | None = None, revision: str 
             raise ModelError("splade pooling needs a *ForMaskedLM architecture")
         task = EMBEDDER
         dense = _st_dense(path, modules)
+        if dense_path:
+            chosen = (path / dense_path).resolve()
+            try:
+                cfg = json.loads((chosen / "config.json").read_text())
+            except (OSError, ValueError):
+                cfg = {}
+            if not chosen.is_relative_to(path.resolve()) or not isinstance(cfg, dict) or "out_features" not in cfg:
+                raise ModelError(f"--dense-path {dense_path}: no Dense module (a config.json with out_features) "
+                                 f"in the model's folder at {path / dense_path}")
+            dense = (path / dense_path,)
         if pool_error is not None and pooling is None:
             raise pool_error
         pool = pooling or st_pool

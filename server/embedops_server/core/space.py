@@ -51,22 +51,23 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def model_files(folder: Path, onnx_path: Path | None) -> list[Path]:
+def model_files(folder: Path, onnx_path: Path | None, dense: tuple[Path, ...] = ()) -> list[Path]:
     """The files whose content decides the vectors: the weights (torch's, else the folder's ONNX graph and its
-    data), and the files that say how they are read."""
+    data), the files that say how they are read, and the Dense modules applied (``dense``: the ones the server
+    loaded, --dense-path's included, besides any `N_Dense` folder)."""
     weights = sorted({p for pattern in WEIGHTS for p in folder.glob(pattern)})
     if not weights and onnx_path is not None:
         onnx = Path(onnx_path)
         weights = [onnx] + sorted(onnx.parent.glob(onnx.name + "_data")) + sorted(onnx.parent.glob(onnx.name + ".data"))
     described = [folder / name for name in DESCRIBING if (folder / name).is_file()]
-    dense = sorted(p for p in folder.glob("[0-9]_Dense/*") if p.is_file())
-    return weights + described + dense
+    dense_files = sorted({p for d in [*folder.glob("[0-9]_Dense"), *dense] for p in Path(d).glob("*") if p.is_file()})
+    return weights + described + dense_files
 
 
-def model_digest(folder: Path, onnx_path: Path | None = None) -> str:
+def model_digest(folder: Path, onnx_path: Path | None = None, dense: tuple[Path, ...] = ()) -> str:
     h = hashlib.sha256()
     root = folder.resolve()
-    for f in model_files(folder, onnx_path):
+    for f in model_files(folder, onnx_path, dense):
         try:
             name = str(f.resolve().relative_to(root))
         except ValueError:  # an ONNX graph outside the folder
@@ -77,7 +78,8 @@ def model_digest(folder: Path, onnx_path: Path | None = None) -> str:
 
 def fingerprint(info, *, quantize: str | None, default_prompt: str | None, max_input_length: int) -> EmbeddingSpace:
     """The space of a server of `info` (core.model_info.ModelInfo) with these settings."""
-    inputs = {"model": model_digest(info.path, info.onnx_path)[:16], "task": info.task, "pooling": info.pooling,
+    inputs = {"model": model_digest(info.path, info.onnx_path, tuple(info.dense))[:16], "task": info.task,
+              "pooling": info.pooling,
               "prompt": default_prompt or None, "quantize": quantize or None, "max_input_length": max_input_length}
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
     return EmbeddingSpace(digest, inputs)

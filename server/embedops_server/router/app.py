@@ -17,7 +17,7 @@ from ..settings import Settings, Tuning
 from . import errors, openapi, routes_compat, routes_m3, routes_tei
 from .errors import error_response
 from .fast_path import FastPath
-from .middleware import AfterResponseMiddleware, ConnectionCloseMiddleware, GuardMiddleware
+from .middleware import AfterResponseMiddleware, ConnectionCloseMiddleware, GuardMiddleware, MetricsPortMiddleware
 from .timing import TimingMiddleware
 from .routes_tei import json_response
 from .schemas import INFO_OK
@@ -162,7 +162,8 @@ def create_app(settings: Settings, service=None,
         inner = FastPath(app, settings.payload_limit)
     state = app.state.embedops
     outer = AfterResponseMiddleware(ConnectionCloseMiddleware(
-        TimingMiddleware(GuardMiddleware(inner, settings.payload_limit, settings.api_key), space=state.space_header),
+        TimingMiddleware(MetricsPortMiddleware(GuardMiddleware(inner, settings.payload_limit, settings.api_key),
+                                               settings.prometheus_port), space=state.space_header),
         state, settings.max_connection_age))
     if settings.cors_allow_origin:
         from starlette.middleware.cors import CORSMiddleware

@@ -62,6 +62,25 @@ class GuardMiddleware:
         return await self.app(scope, replay(body, receive), send)
 
 
+class MetricsPortMiddleware:
+    """With --prometheus-port: `/metrics` is answered on that port and nowhere else, and nothing else is answered
+    there, so a Service or a NetworkPolicy can expose the API without the metrics, or the metrics without the API.
+    Without it, as TEI's HTTP build: `/metrics` on the API's port."""
+
+    def __init__(self, app, metrics_port: int | None):
+        self.app = app
+        self.port = metrics_port
+
+    async def __call__(self, scope, receive, send):
+        if self.port and scope["type"] == "http":
+            on_metrics_port = (scope.get("server") or (None, None))[1] == self.port
+            if on_metrics_port != (scope["path"] == "/metrics"):
+                where = "this port serves only /metrics" if on_metrics_port else (
+                    f"/metrics is served on port {self.port} (--prometheus-port)")
+                return await _send_error(send, scope["path"], 404, "NotFound", f"not found: {where}")
+        return await self.app(scope, receive, send)
+
+
 class ConnectionCloseMiddleware:
     """``Connection: close`` on an answer: a client's pooled keep-alive connection is retired after the request it
     just sent, and its next request opens a new connection, which the Service may send to another pod. Closing

@@ -95,9 +95,10 @@ def serve(settings: Settings) -> None:
 
     app = create_app(settings, on_model_error=model_error)
     server = DrainingServer(server_config(app, settings), app.fastapi.state.embedops)
-    if settings.batch_port:  # the batch lane's own address: one server, two ports (AppState.lane)
-        server.run(sockets=[listening_socket(settings.hostname, settings.port),
-                            listening_socket(settings.hostname, settings.batch_port)])
+    # the batch lane's own address (AppState.lane) and the metrics' (MetricsPortMiddleware): one server, more ports
+    ports = [p for p in (settings.batch_port, settings.prometheus_port) if p]
+    if ports:
+        server.run(sockets=[listening_socket(settings.hostname, p) for p in (settings.port, *ports)])
     else:
         server.run()
     if failed:
