@@ -1,6 +1,7 @@
 """Level-based reconciliation of one EmbeddingService: render → apply (only when different) → prune → status.
 
-Kept free of kopf so it can be driven by handlers, the resync loop and tests alike.
+Kept free of kopf: the controller's workers run it for the keys its work queue hands out (controller.py), and the
+tests call it directly.
 """
 from __future__ import annotations
 

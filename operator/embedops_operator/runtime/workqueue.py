@@ -1,4 +1,5 @@
-"""A work queue of EmbeddingService keys: each key waits at most once, and is never worked on by two threads.
+"""A work queue of keys (the controller's: namespace and name): each key waits at most once, and is never worked on
+by two threads.
 
 An event for a key that is already waiting merges into it (a full reconcile wins over a status-only one);
 an event for a key being worked on marks it to run again after. Failed keys come back after a backoff

@@ -1,6 +1,8 @@
 """`Server-Timing` on every answered inference request: where its time went, stage by stage.
 
-A pure-ASGI middleware, outermost, so that its clock starts when the HTTP server hands the request to the app.
+A pure-ASGI middleware outside the routes and the guard (only the after-response and connection-close wrappers,
+which do no work before the app, are outside it), so that its clock starts when the HTTP server hands the request
+to the app.
 The route's engine request (stashed in the scope by AppState.run) carries the engine's timeline; the header is
 added as the response starts, so `respond` includes the route's post-processing and JSON serialization.
 What is left out is the HTTP server's own time (accept, header parsing, the socket write): a client measures it
