@@ -254,6 +254,12 @@ class Controller:
         infs = self.cache.informers.get(ES) or []
         return [o for i in infs if i.synced for o in i.items(None)]
 
+    def cached_objects(self) -> dict[str, int]:
+        """Objects in the watch caches by kind (the operator's memory grows with them: its /metrics)."""
+        with self._lock:
+            groups = list(self.cache.informers.items())
+        return {kind: sum(inf.size() for inf in informers) for (_, kind), informers in groups}
+
     def pods_of(self, namespace: str, name: str) -> list[dict]:
         """A service's Pods from the watch cache (none when it is not synced), for the metrics."""
         inf = self.cache.informer_for("v1", "Pod", namespace)

@@ -25,10 +25,11 @@ import os
 import socketserver
 import ssl
 import threading
+from pathlib import Path
 from typing import Iterator
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 log = logging.getLogger("embedops.metrics")
@@ -46,6 +47,24 @@ LEADER = Gauge("embedops_operator_leader", "1 while this replica reconciles (hol
                registry=REGISTRY)
 for result in ("ok", "retry", "error"):
     RECONCILES.labels(result)  # present at 0 from the start: rate() and increase() see the first failure
+# process_resident_memory_bytes and the rest: with the limit below, what the chart's alert reads
+ProcessCollector(registry=REGISTRY)
+# cgroup v2, then v1: the container's memory limit ("max", or v1's page-rounded 2^63, mean none)
+CGROUP_MEMORY_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+NO_LIMIT_ABOVE = 1 << 60
+
+
+def memory_limit(paths=CGROUP_MEMORY_LIMITS) -> int | None:
+    """The memory limit of the container the operator runs in, in bytes, or None (none, or not readable)."""
+    for path in paths:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < NO_LIMIT_ABOVE:
+            return int(text)
+        return None
+    return None
 
 STATUSES = ("True", "False", "Unknown")
 _lock = threading.Lock()
@@ -93,10 +112,21 @@ class _ControllerCollector:
         restarts = GaugeMetricFamily("embedops_service_pod_restarts",
                                      "Container restarts summed over the service's current pods (a crash loop, a "
                                      "model that cannot load, OOM kills)", labels=["namespace", "service"])
+        cached = GaugeMetricFamily("embedops_operator_cached_objects",
+                                   "Objects in the operator's watch caches by kind: its memory grows with them "
+                                   "(docs/operator.md \"Sizing the operator's memory\")", labels=["kind"])
+        limit = GaugeMetricFamily("embedops_operator_memory_limit_bytes",
+                                  "The memory limit of the operator's container (absent without one): "
+                                  "process_resident_memory_bytes near it alerts before an OOM kill")
+        bytes_ = memory_limit()
+        if bytes_ is not None:
+            limit.add_metric([], float(bytes_))
         budget = GaugeMetricFamily("embedops_service_p99_budget_seconds",
                                    "spec.monitoring.p99LatencySeconds (only for services that set it)",
                                    labels=["namespace", "service"])
         if c is not None:
+            for kind, n in c.cached_objects().items():
+                cached.add_metric([kind], float(n))
             depth.add_metric([], len(c.queue))
             retrying.add_metric([], c.queue.failing())
             for es in c.services():
@@ -111,7 +141,7 @@ class _ControllerCollector:
                 p99 = ((es.get("spec") or {}).get("monitoring") or {}).get("p99LatencySeconds")
                 if p99:
                     budget.add_metric([ns, name], float(p99))
-        yield from (depth, retrying, cond, replicas, restarts, budget)
+        yield from (depth, retrying, cond, replicas, restarts, budget, cached, limit)
 
     def describe(self) -> list:
         return []

@@ -367,7 +367,7 @@ def test_alerts_load_and_stalled_fires_then_resolves_on_live_data(kube, real, ns
             return groups
     groups = wait_for(loaded, timeout=120, what="the chart's rule groups loaded by Prometheus")
     rules = [r for g in groups.values() for r in g["rules"]]
-    assert len(rules) == 10
+    assert len(rules) == 11
 
     stuck = on_real_node(example(), real)
     stuck["metadata"]["name"] = "stuck"

@@ -140,6 +140,12 @@ CASES = {
          alert("EmbeddingOperatorDown", "20m", [fired("critical")]),
          alert("EmbeddingOperatorReconcileFailing", "10m", []),
          alert("EmbeddingOperatorReconcileFailing", "30m", [fired("warning")])]),
+    "operator near its memory limit": (
+        [series("process_resident_memory_bytes", {**OP}, "100000000x5 220000000x20"),
+         series("embedops_operator_memory_limit_bytes", {**OP}, "268435456x25"),
+         series("process_resident_memory_bytes", {**OP, "pod": "unlimited"}, "900000000x25")],
+        [alert("EmbeddingOperatorNearMemoryLimit", "10m", []),
+         alert("EmbeddingOperatorNearMemoryLimit", "20m", [fired("warning", **OP)])]),
     "operator never scraped": (
         [series("up", {"job": "other"}, "1x20")],
         [alert("EmbeddingOperatorDown", "15m", [fired("critical")])]),
@@ -184,7 +190,7 @@ def test_rules_are_valid_and_each_has_a_runbook_section(tmp_path, promtool):
     assert r.returncode == 0, r.stdout + r.stderr
     runbooks = (REPO / "docs" / "runbooks.md").read_text()
     names = [x["alert"] for g in rules()["groups"] for x in g["rules"]]
-    assert len(names) == 10
+    assert len(names) == 11
     tested = {t["alertname"] for _, tests in CASES.values() for t in tests}
     assert set(names) == tested, set(names) ^ tested
     for g in rules()["groups"]:

@@ -19,6 +19,9 @@ class FakeController:
                      {"type": "Ready", "status": "False"}, {"type": "Stalled", "status": "True"}]}},
                 {"metadata": {"namespace": "ml", "name": "plain"}, "spec": {}, "status": {}}]
 
+    def cached_objects(self):
+        return {"EmbeddingService": 2, "Pod": 3}
+
     def pods_of(self, ns, name):
         if name != "bge":
             return []
@@ -133,3 +136,27 @@ def test_without_access_control_metrics_are_served_to_anyone():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_caches_size_and_the_containers_memory_limit_are_reported(tmp_path):
+    """Issue 58: what the operator's memory grows with (its caches' objects, by kind) and the limit it must stay
+    under (its container's, from the cgroup: the chart's EmbeddingOperatorNearMemoryLimit divides by it)."""
+    c = FakeController()
+    metrics.watch(c)
+    try:
+        got = samples()
+    finally:
+        metrics.unwatch(c)
+    assert got[("embedops_operator_cached_objects", (("kind", "EmbeddingService"),))] == 2
+    assert got[("embedops_operator_cached_objects", (("kind", "Pod"),))] == 3
+    assert ("process_resident_memory_bytes", ()) in got
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    v2.write_text("268435456\n")
+    assert metrics.memory_limit((v2, v1)) == 268435456
+    v2.write_text("max\n")
+    assert metrics.memory_limit((v2, v1)) is None
+    v2.unlink()
+    v1.write_text("9223372036854771712\n")  # cgroup v1 without a limit
+    assert metrics.memory_limit((v2, v1)) is None
+    v1.write_text("536870912\n")
+    assert metrics.memory_limit((v2, v1)) == 536870912

@@ -130,6 +130,10 @@ class Informer:
         with self._lock:
             return list(self._items)
 
+    def size(self) -> int:
+        with self._lock:
+            return len(self._items)
+
     def indexed(self, namespace: str, value: str) -> list[dict]:
         """Objects in `namespace` whose `index_label` is `value`."""
         with self._lock:
