@@ -16,6 +16,7 @@ instead of being taken over (controller-runtime's `AlreadyOwnedError`, Crossplan
 """
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -201,9 +202,27 @@ def create(kube: Kube, desired: dict, manager: str) -> tuple[dict | None, Confli
     return None, conflict
 
 
-def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> Applied:
+def create_service_at(kube: Kube, desired: dict, manager: str, cluster_ip: str) -> tuple[dict | None, Conflict | None]:
+    """Create a Service asking for the cluster IP it had before (deleted by mistake: clients that resolved its name
+    then reach it again); an address the API server refuses (taken since, outside the range) gives way to a new
+    one. Only the creation names it: later applies leave it out, and the API server keeps an allocated IP that an
+    update omits."""
+    asked = copy.deepcopy(desired)
+    asked["spec"]["clusterIP"] = cluster_ip
+    try:
+        return create(kube, asked, manager)
+    except ApiException as exc:
+        if exc.status != 422:
+            raise
+        log.warning("%s/%s: the cluster IP %s it had was refused (%s); created with a new one",
+                    desired["metadata"]["namespace"], desired["metadata"]["name"], cluster_ip, exc.reason)
+    return create(kube, desired, manager)
+
+
+def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str,
+              cluster_ips: dict[str, str] | None = None) -> Applied:
     """Apply each manifest that differs from the cluster and belongs to the operator; the others are returned
-    as conflicts, untouched."""
+    as conflicts, untouched. ``cluster_ips``: Service name -> the cluster IP to ask for if it must be created."""
     out = Applied()
     manifests = list(manifests)
     hpa_floor = next((m["spec"].get("minReplicas", 1) for m in manifests if m["kind"] == "HorizontalPodAutoscaler"),
@@ -224,7 +243,8 @@ def apply_all(kube: Kube, manifests: Iterable[dict], service_name: str) -> Appli
             wrote = live is None or needs_write(kube, obj, manager=manager, live=live)
             if wrote:
                 if live is None:
-                    live, conflict = create(kube, obj, manager)
+                    ip = (cluster_ips or {}).get(meta["name"]) if obj["kind"] == "Service" else None
+                    live, conflict = create_service_at(kube, obj, manager, ip) if ip else create(kube, obj, manager)
                     if conflict is not None:
                         out.conflicts.append(conflict)
                         continue

@@ -120,7 +120,7 @@ class Reconciler:
                         observed.litellm_conflicts, manifests = self._litellm_clashes(intent, manifests)
                         marked = self._record_tracks(intent, plan)
                         self._announce(intent, plan)
-                        applied = apply.apply_all(self.kube, manifests, name)
+                        applied = apply.apply_all(self.kube, manifests, name, cluster_ips=self._cluster_ips(intent))
                         if plan.serving.live is None:  # a new service's first track: recorded once it exists
                             marked += self._record_tracks(intent, plan)
                         written = marked + applied.written
@@ -169,6 +169,8 @@ class Reconciler:
                 observed.route = self.kube.get(*render.HTTPROUTE, namespace, name)
             serving = plan.serving.name if plan is not None else name
             observed.deployment = self.kube.get("apps/v1", "Deployment", namespace, serving)
+            address = ((self.kube.get("v1", "Service", namespace, name) or {}).get("spec") or {}).get("clusterIP")
+            observed.cluster_ip = address if address and address != "None" else None
             if manifests is not None and intent.scales_to_zero:
                 observed.activator = self.kube.get("apps/v1", "Deployment", namespace, render.activator_name(name))
             pods = self.kube.list("v1", "Pod", namespace, f"{render.LABEL_SERVICE}={name}")
@@ -359,6 +361,12 @@ class Reconciler:
                 manager=COMMIT_MANAGER)
             log.info("%s/%s: the model commit of track %s pinned to %s (its first replica's)", ns, intent.name,
                      track.name, commit)
+
+    @staticmethod
+    def _cluster_ips(intent: Intent) -> dict[str, str]:
+        """The address the service's Service had (its status): asked for again if it must be created."""
+        ip = intent.status.get("clusterIP")
+        return {intent.name: ip} if ip else {}
 
     def _write_commit_record(self, intent: Intent, track: str, live: dict, commit: str) -> None:
         """The ConfigMap a track's pods read PINNED_REVISION from (owned by its Deployment: it goes with it)."""

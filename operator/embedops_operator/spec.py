@@ -656,6 +656,9 @@ class EmbeddingServiceStatus(Model):
     accelerator: str | None = None
     replicas_summary: str | None = Field(None, description="ready/desired, for kubectl get.")
     url: str | None = None
+    cluster_ip: str | None = Field(None, alias="clusterIP", description=(
+        "The Service's cluster IP: a Service deleted by mistake is created again with it while it is free, so "
+        "clients that resolved the name before reach it again."))
     endpoints: Endpoints | None = None
     memory: MemoryStatus | None = None
     model: ServedModel | None = None

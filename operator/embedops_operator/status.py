@@ -47,6 +47,8 @@ class Observed:
     candidate_pods: list[dict] = field(default_factory=list)  # the pods of the spec's space while it is not promoted
     # model names this service's LiteLLM entry would share with another service's (litellm.model_name_clashes)
     litellm_conflicts: list[str] = field(default_factory=list)
+    # the service's Service's cluster IP (kept in the status: a recreated Service asks for it again)
+    cluster_ip: str | None = None
 
 
 def _parse_time(value: str | None) -> dt.datetime | None:
@@ -205,6 +207,8 @@ def compute(resource: dict, observed: Observed, options: render.Options | None =
         status["selector"] = render.selector_string(serving_space["deployment"] if serving_space else name)
         eps = render.endpoints(name, ns, spec, options)
         status["url"] = eps.get("external") or eps["service"]
+        if observed.cluster_ip:
+            status["clusterIP"] = observed.cluster_ip
         status["endpoints"] = eps
 
     dep = observed.deployment

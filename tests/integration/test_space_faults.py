@@ -209,11 +209,16 @@ def test_a_deleted_or_edited_service_never_moves_the_address_to_an_unpromoted_sp
     try:
         old, cand = awaiting_promotion(env, name, SPEC)
         assert selects(env, name) == old["deployment"] == name
+        ip = env.core.read_namespaced_service(name, env.ns).spec.cluster_ip
+        wait_for("the cluster IP in the status", lambda: (env.custom.get_namespaced_custom_object(
+            GROUP, VERSION, env.ns, PLURAL, name).get("status") or {}).get("clusterIP") == ip, 30)
         t0 = time.monotonic()
         env.core.delete_namespaced_service(name, env.ns)
         wait_for("the Service recreated", lambda: selects(env, name), 60)
         recreated = time.monotonic() - t0
         assert selects(env, name) == old["deployment"]
+        # at the address it had: clients that resolved the name before reach it again
+        assert env.core.read_namespaced_service(name, env.ns).spec.cluster_ip == ip
         # someone else's edit: the selector names the candidate
         t0 = time.monotonic()
         env.core.patch_namespaced_service(name, env.ns, {"spec": {"selector": {INSTANCE: cand["deployment"]}}})
@@ -225,7 +230,8 @@ def test_a_deleted_or_edited_service_never_moves_the_address_to_an_unpromoted_sp
         roles = by_role(es)
         assert roles["serving"]["key"] == old["key"] and roles["candidate"]["key"] == cand["key"], roles
         repaired = events(env, name, "AddressRepaired")
-        print(f"Service deleted: recreated on the serving space in {recreated:.2f} s; selector edited to the "
+        print(f"Service deleted: recreated on the serving space, at its cluster IP {ip}, in {recreated:.2f} s; "
+              f"selector edited to the "
               f"candidate: written back in {restored:.2f} s; AddressRepaired events: {len(repaired)}")
         assert len(repaired) >= 2 and any("was missing" in e.message for e in repaired), \
             [e.message for e in repaired]

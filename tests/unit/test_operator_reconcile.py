@@ -713,3 +713,33 @@ def test_one_reconcile_parses_the_manifest_once_and_status_changes_nothing_it_is
     out = ST.compute(bad, observed)
     assert observed.invalid is None  # the verdict is in the status, not written into the caller's observations
     assert any(c["reason"] == "InvalidSpec" for c in out["conditions"])
+
+
+def test_a_deleted_service_is_created_again_at_the_cluster_ip_it_had_or_a_new_one_if_refused(kube):
+    """Issue 52: a Service deleted by mistake came back at a new ClusterIP, so clients that resolved its name before
+    (a DNS cache, a pooled connection) failed until they resolved it again. The status keeps the address; the
+    Service is created again asking for it; an address the API server refuses (taken meanwhile) gives way."""
+    from kubernetes.client.rest import ApiException
+
+    kube.create_service(copy.deepcopy(CPU))
+    rec = Reconciler(kube, Settings())
+    rec.reconcile("ml", "svc")
+    key = ("v1", "Service", "ml", "svc")
+    kube.objects[key]["spec"]["clusterIP"] = "10.96.0.77"  # what the API server allocated
+    status = rec.reconcile("ml", "svc")
+    assert status["clusterIP"] == "10.96.0.77"
+    kube.objects[("embedops.dev/v1alpha1", "EmbeddingService", "ml", "svc")]["status"] = status
+    del kube.objects[key]
+    rec.reconcile("ml", "svc")
+    assert kube.objects[key]["spec"]["clusterIP"] == "10.96.0.77"
+    # taken meanwhile: created with a new one (the API server allocates it)
+    del kube.objects[key]
+    plain_apply = kube.apply
+
+    def refusing(obj, **kw):
+        if obj["kind"] == "Service" and obj["spec"].get("clusterIP"):
+            raise ApiException(status=422, reason="spec.clusterIPs: Invalid value: provided IP is already allocated")
+        return plain_apply(obj, **kw)
+    kube.apply = refusing
+    rec.reconcile("ml", "svc")
+    assert kube.objects[key]["spec"]["clusterIP"] != "10.96.0.77"  # the (fake) API server's new allocation
