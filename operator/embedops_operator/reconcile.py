@@ -383,10 +383,8 @@ class Reconciler:
         from the API server only while a pod of the track is starting, when a pod reads it: nothing at rest.
         Written back from the Deployment's record, with an Event. A pod that started in the gap may have loaded
         another commit: MixedSpaces says so (status.py), and deleting it reloads it at the pinned commit."""
-        starting = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp") and not any(
-            c.get("type") == "Ready" and c.get("status") == "True" for c in (p.get("status") or {}).get("conditions") or [])]
-        if not starting:
-            return
+        if not any(not (p.get("metadata") or {}).get("deletionTimestamp") and not status.pod_ready(p) for p in pods):
+            return  # no pod of the track is starting
         name = render.commit_config_map(track)
         found = self.kube.get_from_server("v1", "ConfigMap", intent.namespace, name)
         if found is not None and (found.get("data") or {}).get("commit") == commit:

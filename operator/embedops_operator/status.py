@@ -435,6 +435,12 @@ def _up(ready: str) -> bool:
     return int(want or 0) > 0 and int(available or 0) >= int(want)
 
 
+def pod_ready(pod: dict) -> bool:
+    """The pod's Ready condition is True."""
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
 def prepared_reports(pods: list[dict], newest_first: bool = False) -> list[tuple[dict, dict]]:
     """(pod, report) for each ready pod whose prepare init container reported what it loaded in its termination
     message ('prepared {"commit": ..., "space": ..., ...}'), oldest first (or newest first)."""
@@ -445,8 +451,7 @@ def prepared_reports(pods: list[dict], newest_first: bool = False) -> list[tuple
                                         (p.get("metadata") or {}).get("name", "")), reverse=newest_first)
     for pod in order:
         st = pod.get("status") or {}
-        if (pod.get("metadata") or {}).get("deletionTimestamp") or not any(
-                c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or []):
+        if (pod.get("metadata") or {}).get("deletionTimestamp") or not pod_ready(pod):
             continue
         for cs in st.get("initContainerStatuses") or []:
             msg = (((cs.get("state") or {}).get("terminated") or {}).get("message") or "").strip()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .. import sizing
 from .engine import Engine
 from .errors import OVERLOADED, VALIDATION, EngineError
 from .queue import URGENT_RUN
@@ -66,7 +67,7 @@ class Lanes:
         self._in_flight = {lane: 0 for lane in LANES}
         # answers of every token's state (/embed_all, ColBERT: tokens x width floats, then their JSON) held at
         # once, from admission until sent: the memory estimate counts this many (sizing.RESPONSES_IN_FLIGHT)
-        self.max_token_answers = 2
+        self.max_token_answers = sizing.RESPONSES_IN_FLIGHT  # --max-token-answers (service.make_lanes)
         self.token_answers = 0
 
     @classmethod
