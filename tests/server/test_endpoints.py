@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import time
 
@@ -238,13 +239,15 @@ def test_embed_all_refuses_an_answer_over_its_token_limit_and_holds_few_answers_
     from .conftest import run_server
 
     long = "a longer text that goes on " * 40  # truncated at MiniLM's 256 tokens
+    # not httpx's default 5 s: 17 x 256 tokens on a CI machine's busy cores once took longer (a cold CI, 2026-12-07)
+    post = functools.partial(httpx.post, timeout=60)
     with run_server(model_id=str(minilm_onnx_dir()), backend="onnxruntime", max_embed_all_tokens=4096,
                     max_token_answers=1) as (url, st):
-        ok = httpx.post(url + "/embed_all", json={"inputs": ["a short one"]})
+        ok = post(url + "/embed_all", json={"inputs": ["a short one"]})
         assert ok.status_code == 200 and len(ok.json()[0]) < 40
-        r = httpx.post(url + "/embed_all", json={"inputs": [long] * 17})
+        r = post(url + "/embed_all", json={"inputs": [long] * 17})
         assert r.status_code == 422 and "over the limit of 4096 tokens (--max-embed-all-tokens)" in r.json()["error"]
-        assert httpx.post(url + "/embed", json={"inputs": [long] * 17}).status_code == 200
+        assert post(url + "/embed", json={"inputs": [long] * 17}).status_code == 200
         # 16 x 256 tokens x 384 floats: ~15 MB of JSON to a client that never reads it
         body = json.dumps({"inputs": [long] * 16}).encode()
         host, port = url.removeprefix("http://").split(":")
@@ -258,14 +261,14 @@ def test_embed_all_refuses_an_answer_over_its_token_limit_and_holds_few_answers_
             assert time.monotonic() < deadline
             time.sleep(0.05)
         time.sleep(1.0)
-        busy = httpx.post(url + "/embed_all", json={"inputs": ["a short one"]})
+        busy = post(url + "/embed_all", json={"inputs": ["a short one"]})
         assert busy.status_code == 429 and "answers of every token's state in progress" in busy.json()["error"], \
             busy.text
         assert busy.headers["retry-after"] == "1"
-        assert httpx.post(url + "/embed", json={"inputs": ["others are served"]}).status_code == 200
+        assert post(url + "/embed", json={"inputs": ["others are served"]}).status_code == 200
         slow.close()  # the client goes away: the slot is free again
         deadline = time.monotonic() + 30
-        while (r := httpx.post(url + "/embed_all", json={"inputs": ["a short one"]})).status_code != 200:
+        while (r := post(url + "/embed_all", json={"inputs": ["a short one"]})).status_code != 200:
             assert r.status_code == 429 and time.monotonic() < deadline, r.text
             time.sleep(0.2)
         assert st.svc().lanes.token_answers == 0
