@@ -14,7 +14,11 @@ fresh one per N, in its own run dir), for N CPU EmbeddingServices:
   alone: it runs as its own ServiceAccount, matched by a FlowSchema of its own, so
   ``apiserver_flowcontrol_dispatched_requests_total{flow_schema=...}`` counts exactly its requests;
 - at rest: after a settle time, a window with the operator running, then the same window with it
-  stopped: requests per minute (running minus stopped), as the issue defines it, and the operator's own.
+  stopped: requests per minute (running minus stopped), as the issue defines it, and the operator's own;
+- **restart** (``--restart``): the operator started again with every service present, as after a crash, an
+  upgrade or an eviction: seconds until its caches listed and every service was reconciled once (its work queue
+  drained, read from its own /metrics), its peak RSS then (issue 58: the restart was the peak, 783 MB at 5,000
+  services against 453 MB on the way up), CPU, requests and server-side applies of Deployments (0 expected).
 
 Results: a table on stdout and ``bench/results/operator-<stamp>.json`` (+ ``operator-latest.json``).
 """
@@ -269,21 +273,35 @@ class Bench:
             n for n in self.core.list_namespace().items if n.metadata.name == FLOOR_NS], self.args.timeout, 2.0)
 
     # ------------------------------------------------------------------------------------------ operator
-    def start_operator(self) -> None:
+    def start_operator(self, phase: str = "") -> None:
+        from localcluster.pki import free_port
+
         src = Path(self.args.source).resolve()
         env = {**os.environ, "KUBECONFIG": self.operator_kubeconfig,
                "PYTHONPATH": str(src / "operator") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.op_log = open(self.run_dir / f"operator-{self.args.label}.log", "w")
+        log_path = self.run_dir / f"operator-{self.args.label}{phase}.log"
+        self.op_log = open(log_path, "w")
+        self.op_metrics = f"127.0.0.1:{free_port()}"
         code = ("import sys, embedops_operator; print('embedops_operator from', embedops_operator.__file__, "
                 "file=sys.stderr, flush=True); from embedops_operator.cli import main; "
                 "sys.exit(main(sys.argv[1:]))")
         self.op = subprocess.Popen(
-            [sys.executable, "-c", code, "run", "--resync-seconds", str(self.args.resync), "--liveness", ""],
+            [sys.executable, "-c", code, "run", "--resync-seconds", str(self.args.resync), "--liveness", "",
+             "--metrics-address", self.op_metrics, "--metrics-auth", "none"],
             env=env, stdout=self.op_log, stderr=subprocess.STDOUT, cwd=str(src), start_new_session=True)
-        self._wait("operator started", lambda: "startup' succeeded" in (
-            self.run_dir / f"operator-{self.args.label}.log").read_text(), 120)
-        first = (self.run_dir / f"operator-{self.args.label}.log").read_text().splitlines()[0]
-        log(f"operator: {first}")
+        self._wait("operator started", lambda: "startup' succeeded" in log_path.read_text(), 120)
+        log(f"operator: {log_path.read_text().splitlines()[0]}")
+
+    def operator_metrics(self) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{self.op_metrics}/metrics", timeout=30) as r:
+            return r.read().decode()
+
+    def deployment_applies(self) -> float:
+        text = self._get_raw("/metrics") or ""
+        return sum(metric_sum(text, "apiserver_request_total", {"resource": "deployments", "verb": verb,
+                                                                 "subresource": ""}) for verb in ("APPLY", "PATCH"))
 
     def proc_stats(self) -> dict:
         status = Path(f"/proc/{self.op.pid}/status").read_text()
@@ -352,6 +370,31 @@ class Bench:
             f"{self.row['rest_all_stopped_per_min']}/min -> {self.row['rest_per_min']}/min; the operator's own "
             f"(FlowSchema) {self.row['rest_operator_per_min']}/min")
 
+    def restart(self) -> None:
+        """After at_rest (the operator stopped): a new operator process with every service present."""
+        m0, applies0 = self.metrics(), self.deployment_applies()
+        t0 = time.monotonic()
+        self.start_operator("-restart")
+
+        def drained() -> bool:
+            text = self.operator_metrics()
+            done = metric_sum(text, "embedops_operator_reconciles_total")
+            return done >= self.n and metric_sum(text, "embedops_operator_workqueue_depth") == 0
+        self._wait("the restarted operator's queue drained", drained, self.args.timeout, interval=1.0)
+        self.row["restart_s"] = round(time.monotonic() - t0, 1)
+        stats = self.proc_stats()
+        self.row.update({"restart_cpu_s": stats["cpu_s"], "restart_peak_rss_mb": stats["peak_rss_mb"],
+                         "restart_rss_mb": stats["rss_mb"]})
+        m1 = self.metrics()
+        self.row["restart_requests_operator"] = int(m1["operator"] - m0["operator"])
+        self.row["restart_deployment_applies"] = int(self.deployment_applies() - applies0)
+        time.sleep(self.args.settle)
+        self.row["restart_settled_rss_mb"] = self.proc_stats()["rss_mb"]
+        log(f"restart: every service reconciled after {self.row['restart_s']} s; {stats}; "
+            f"{self.row['restart_requests_operator']} operator requests, "
+            f"{self.row['restart_deployment_applies']} Deployment applies")
+        self.stop_operator()
+
     def run(self) -> dict:
         try:
             self.up()
@@ -360,6 +403,8 @@ class Bench:
             self.start_operator()
             self.rollout()
             self.at_rest()
+            if self.args.restart:
+                self.restart()
             if self.row.get("floor_ready_s"):
                 self.row["vs_floor"] = round(self.row["operator_ready_s"] / self.row["floor_ready_s"], 2)
         except Exception as exc:  # noqa: BLE001 - reported in the row
@@ -378,9 +423,11 @@ class Bench:
 COLUMNS = [("label", "{}", 8), ("n", "{}", 5), ("floor_ready_s", "{:.1f}", 8), ("operator_ready_s", "{:.1f}", 8),
            ("vs_floor", "{:.2f}", 6), ("rollout_cpu_s", "{:.1f}", 7), ("peak_rss_mb", "{:.0f}", 7),
            ("rollout_requests_operator", "{}", 9), ("rest_per_min", "{:.1f}", 9),
-           ("rest_operator_per_min", "{:.1f}", 8), ("rest_operator_cpu_s_per_min", "{:.2f}", 8)]
+           ("rest_operator_per_min", "{:.1f}", 8), ("rest_operator_cpu_s_per_min", "{:.2f}", 8),
+           ("restart_s", "{:.1f}", 9), ("restart_peak_rss_mb", "{:.0f}", 10), ("restart_cpu_s", "{:.1f}", 9),
+           ("restart_requests_operator", "{}", 9), ("restart_deployment_applies", "{}", 9)]
 HEADERS = ["version", "N", "floor s", "Ready s", "/floor", "CPU s", "RSS MB", "rollout req", "rest/min",
-           "own/min", "CPU s/min"]
+           "own/min", "CPU s/min", "restart s", "restart MB", "restart CPU", "restart req", "dep applies"]
 
 
 def table(rows: list[dict]) -> str:
@@ -395,7 +442,9 @@ def table(rows: list[dict]) -> str:
     lines += ["", "Ready s: first create until every EmbeddingService is Ready; floor s: the same rendered objects "
               "applied directly; CPU s and RSS MB: the operator process until all Ready (RSS: peak, VmHWM); "
               "rollout req: the operator's requests (its FlowSchema); rest/min: apiserver_request_total with the "
-              "operator running minus the same window stopped; own/min: the operator's requests at rest."]
+              "operator running minus the same window stopped; own/min: the operator's requests at rest; restart "
+              "(--restart): a new operator process with every service present, until every service was reconciled "
+              "once: seconds, peak RSS (VmHWM), CPU s, its requests and server-side applies of Deployments."]
     return "\n".join(lines)
 
 
@@ -405,6 +454,9 @@ def targets_check(rows: list[dict]) -> list[str]:
         if r.get("n") == 1000 and r.get("operator_ready_s"):
             out.append(f"{r['label']} N=1000: Ready {r.get('vs_floor')}x floor (target <= 1.5), RSS "
                        f"{r.get('peak_rss_mb')} MB (<= 300), at rest {r.get('rest_per_min')}/min (<= 60)")
+        if r.get("n", 0) >= 1000 and (r.get("peak_rss_mb") or r.get("restart_peak_rss_mb")):
+            out.append(f"{r['label']} N={r['n']}: RSS through the ramp {r.get('peak_rss_mb')} MB and the restart "
+                       f"{r.get('restart_peak_rss_mb')} MB (issue 58: <= 300 at 5,000)")
         if r.get("n") == 200 and r.get("rest_per_min") is not None:
             out.append(f"{r['label']} N=200: at rest {r['rest_per_min']}/min (target <= 20)")
     return out
@@ -421,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=20.0, help="seconds after all Ready before measuring rest")
     ap.add_argument("--timeout", type=float, default=1800.0)
     ap.add_argument("--no-floor", action="store_true")
+    ap.add_argument("--restart", action="store_true",
+                    help="after the at-rest windows, start the operator again and measure its restart")
     ap.add_argument("--keep", action="store_true", help="leave the cluster running")
     ap.add_argument("--cluster-dir", default=str(Path(os.environ.get("TMPDIR", "/tmp")) / "embedops-opbench"))
     ap.add_argument("--out", default=str(RESULTS))

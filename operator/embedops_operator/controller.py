@@ -99,6 +99,7 @@ class Controller:
         self._resyncs = 0
         self.skipped = 0  # resync skips, for tests and the benchmark
         self._lock = threading.Lock()
+        self._list_gate = threading.Semaphore(1)  # the informers list one kind at a time (watchcache.Informer)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -116,7 +117,7 @@ class Controller:
                     on_event=partial(self._on_event, kind),
                     transform=TRANSFORMS.get(kind, watchcache.strip_managed_fields),
                     namespace=ns, selector=selector, index_label=INDEX_LABELS.get(kind, render.LABEL_SERVICE),
-                    health=self.health))
+                    health=self.health, list_gate=self._list_gate))
             self.cache.informers[(api_version, kind)] = infs
         for inf in infs:
             inf.start()
@@ -238,15 +239,13 @@ class Controller:
             inf = self.cache.informer_for(api_version, kind, ns)
             if inf is None or not inf.synced:
                 return None
-            parts.append(tuple(sorted(((o.get("metadata") or {}).get("name"),
-                                       (o.get("metadata") or {}).get("resourceVersion"))
-                                      for o in inf.indexed(ns, name))))
+            parts.append(tuple(inf.indexed_versions(ns, name)))
         config_map = (((es.get("spec") or {}).get("litellm") or {}).get("configMapName"))
         if config_map:
             inf = self.cache.informer_for("v1", "ConfigMap", ns)
             if inf is None or not inf.synced:
                 return None
-            parts.append(((inf.get(ns, config_map) or {}).get("metadata") or {}).get("resourceVersion"))
+            parts.append(inf.version(ns, config_map))
         return tuple(parts)
 
     def services(self) -> list[dict]:
@@ -259,6 +258,12 @@ class Controller:
         with self._lock:
             groups = list(self.cache.informers.items())
         return {kind: sum(inf.size() for inf in informers) for (_, kind), informers in groups}
+
+    def cached_bytes(self) -> dict[str, int]:
+        """The encoded size of the cached objects by kind (what of the operator's memory the caches hold)."""
+        with self._lock:
+            groups = list(self.cache.informers.items())
+        return {kind: sum(inf.stored_bytes() for inf in informers) for (_, kind), informers in groups}
 
     def pods_of(self, namespace: str, name: str) -> list[dict]:
         """A service's Pods from the watch cache (none when it is not synced), for the metrics."""

@@ -14,7 +14,10 @@ What a platform team alerts on and looks at when services do not converge:
   status of each condition (Ready, Reconciling, Stalled, ...), 0 for the other two statuses (the
   kube-state-metrics convention, so ``== 0`` and ``for:`` work in alerts), and
   ``embedops_service_replicas{namespace,service,state="desired|ready"}``, read from the watch cache at scrape
-  time (no request to the API server).
+  time (no request to the API server);
+* ``embedops_operator_cached_objects{kind}``, ``embedops_operator_cached_bytes{kind}`` (the watch caches' objects
+  and their encoded bytes: the operator's memory grows with them) and ``embedops_operator_memory_limit_bytes``
+  (its container's limit, read from the cgroup).
 
 Only the leader has a controller: the service families come from it alone.
 """
@@ -115,6 +118,9 @@ class _ControllerCollector:
         cached = GaugeMetricFamily("embedops_operator_cached_objects",
                                    "Objects in the operator's watch caches by kind: its memory grows with them "
                                    "(docs/operator.md \"Sizing the operator's memory\")", labels=["kind"])
+        cached_bytes = GaugeMetricFamily("embedops_operator_cached_bytes",
+                                         "Bytes of the encoded objects in the operator's watch caches by kind "
+                                         "(labels and bookkeeping aside)", labels=["kind"])
         limit = GaugeMetricFamily("embedops_operator_memory_limit_bytes",
                                   "The memory limit of the operator's container (absent without one): "
                                   "process_resident_memory_bytes near it alerts before an OOM kill")
@@ -127,6 +133,8 @@ class _ControllerCollector:
         if c is not None:
             for kind, n in c.cached_objects().items():
                 cached.add_metric([kind], float(n))
+            for kind, n in c.cached_bytes().items():
+                cached_bytes.add_metric([kind], float(n))
             depth.add_metric([], len(c.queue))
             retrying.add_metric([], c.queue.failing())
             for es in c.services():
@@ -141,7 +149,7 @@ class _ControllerCollector:
                 p99 = ((es.get("spec") or {}).get("monitoring") or {}).get("p99LatencySeconds")
                 if p99:
                     budget.add_metric([ns, name], float(p99))
-        yield from (depth, retrying, cond, replicas, restarts, budget, cached, limit)
+        yield from (depth, retrying, cond, replicas, restarts, budget, cached, cached_bytes, limit)
 
     def describe(self) -> list:
         return []

@@ -30,3 +30,12 @@ def test_nodes_hold_the_fleet_and_table_renders():
                      "rest_per_min": 3.0}, {"label": "x", "n": 5, "error": "boom"}])
     assert "after" in out and "1.20" in out and "error: boom" in out
     assert OB.targets_check([{"label": "a", "n": 200, "rest_per_min": 3.0}]) == ["a N=200: at rest 3.0/min (target <= 20)"]
+
+
+def test_restart_columns_and_target():
+    row = {"label": "after", "n": 5000, "peak_rss_mb": 180.0, "restart_s": 30.0, "restart_peak_rss_mb": 210.0,
+           "restart_cpu_s": 20.0, "restart_requests_operator": 150, "restart_deployment_applies": 0}
+    out = OB.table([row])
+    assert "restart MB" in out and " 210 " in out
+    assert OB.targets_check([row]) == [
+        "after N=5000: RSS through the ramp 180.0 MB and the restart 210.0 MB (issue 58: <= 300 at 5,000)"]

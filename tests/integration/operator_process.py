@@ -46,6 +46,7 @@ class OperatorProcess:
         self.module = module  # tests.integration.crashing_operator: one that kills itself after a chosen write
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self.preexec = None  # run in the child before the interpreter starts (joining a memory cgroup)
 
     def start(self) -> "OperatorProcess":
         env = {**os.environ, "KUBECONFIG": self.kubeconfig, "POD_NAME": self.name,
@@ -56,7 +57,7 @@ class OperatorProcess:
             log.flush()
             self.proc = subprocess.Popen([sys.executable, "-m", self.module, "run", *self.args],
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         cwd=REPO, start_new_session=True)
+                                         cwd=REPO, start_new_session=True, preexec_fn=self.preexec)
         self.starts += 1
         return self
 

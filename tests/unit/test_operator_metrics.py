@@ -22,6 +22,9 @@ class FakeController:
     def cached_objects(self):
         return {"EmbeddingService": 2, "Pod": 3}
 
+    def cached_bytes(self):
+        return {"EmbeddingService": 3000, "Pod": 4500}
+
     def pods_of(self, ns, name):
         if name != "bge":
             return []
@@ -149,6 +152,7 @@ def test_the_caches_size_and_the_containers_memory_limit_are_reported(tmp_path):
         metrics.unwatch(c)
     assert got[("embedops_operator_cached_objects", (("kind", "EmbeddingService"),))] == 2
     assert got[("embedops_operator_cached_objects", (("kind", "Pod"),))] == 3
+    assert got[("embedops_operator_cached_bytes", (("kind", "Pod"),))] == 4500
     assert ("process_resident_memory_bytes", ()) in got
     v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
     v2.write_text("268435456\n")

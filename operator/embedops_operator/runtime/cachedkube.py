@@ -8,7 +8,6 @@ once, so the next reconcile sees it even before the watch event arrives, and the
 """
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 from . import watchcache
@@ -42,9 +41,9 @@ class CachedKube:
         if informers is None:
             return self.kube.get(api_version, kind, namespace, name)
         for inf in informers:
-            obj = inf.get(namespace, name)
+            obj = inf.get(namespace, name)  # a new dict: callers may edit what they get
             if obj is not None and watchcache.matches(obj, inf.label_filter):
-                return copy.deepcopy(obj)  # callers may edit what they get
+                return obj
         return None
 
     def get_from_server(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
@@ -67,8 +66,7 @@ class CachedKube:
         out = []
         for inf in informers:
             value = want.get(inf.index_label) if inf.index_label and namespace else None
-            candidates = inf.indexed(namespace, value) if value is not None else inf.items(namespace)
-            out += [copy.deepcopy(o) for o in candidates if watchcache.matches(o, want)]
+            out += inf.indexed(namespace, value, want) if value is not None else inf.items(namespace, want)
         return sorted(out, key=lambda o: watchcache.key_of(o))
 
     # ------------------------------------------------------------------ writes (through to the cache)

@@ -255,7 +255,11 @@ class Client:
 
     def list(self, api_version: str, kind: str, namespace: str | None, selector: str | None = None) -> list[dict]:
         query = [("labelSelector", selector)] if selector else []
-        return self.request("GET", self.path(api_version, kind, namespace), query=query).get("items", [])
+        items = self.request("GET", self.path(api_version, kind, namespace), query=query).get("items", [])
+        for item in items:  # as in lister: the items of a list carry no apiVersion and kind
+            item.setdefault("apiVersion", api_version)
+            item.setdefault("kind", kind)
+        return items
 
     # ------------------------------------------------------------------ watch-cache transport
     def lister(self, api_version: str, kind: str, namespace: str | None, selector: str | None = None) -> Callable:
@@ -268,7 +272,13 @@ class Client:
                 query.append(("continue", cont))
             out = self.request("GET", path, query=query)
             meta = out.get("metadata") or {}
-            return out.get("items") or [], meta.get("resourceVersion", ""), meta.get("continue") or None
+            items = out.get("items") or []
+            # a list's items carry no apiVersion and kind (the list has them); a watch event's object does. Without
+            # them a listed child never equals its rendered manifest, and a restarted operator wrote every one again
+            for item in items:
+                item.setdefault("apiVersion", api_version)
+                item.setdefault("kind", kind)
+            return items, meta.get("resourceVersion", ""), meta.get("continue") or None
         return list_page
 
     def watcher(self, api_version: str, kind: str, namespace: str | None, selector: str | None = None) -> Callable:

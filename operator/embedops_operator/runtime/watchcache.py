@@ -23,15 +23,24 @@ nothing else. Each change of the cache calls `on_event(type, old, new)` from the
   storing it kept a deleted object in the cache for good, its service reconciled forever and its children
   created again after each garbage collection (a CI failure of 2026-12-05, tests/integration/test_bad_manifests.py).
 
+Objects are held as pickle bytes beside the few fields read without them (resourceVersion, uid, labels), and every
+read returns a new dict (issue 58: a Deployment of 5.6 KB of JSON took 33 KB as Python dicts and 4.9 KB pickled; the
+operator's memory grew by 75 KB per service on the way up and 140 KB after a restart, 783 MB at 5,000 services).
+Decoding is also cheaper than the deep copy every reader made before (90 us against 550 us for a Deployment). A
+listing is transformed and encoded page by page (LIST_PAGE objects), and with a `list_gate` shared by a process's
+informers one kind lists at a time, so a restart holds one page of whole objects, never the fleet's.
+
 The transport is two callables (see `Client.lister` / `Client.watcher` in client.py), so tests can fake it.
 """
 from __future__ import annotations
 
 import logging
+import pickle
 import random
+import sys
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Callable, Iterable, Iterator
 
 log = logging.getLogger("embedops.watchcache")
@@ -49,18 +58,36 @@ def key_of(obj: dict) -> Key:
     return meta.get("namespace") or "", meta.get("name") or ""
 
 
-def _rv(obj: dict | None) -> str | None:
-    """An object's resourceVersion: opaque, compared for equality only."""
-    return ((obj or {}).get("metadata") or {}).get("resourceVersion") or None
-
-
-def _uid(obj: dict | None) -> str | None:
-    return ((obj or {}).get("metadata") or {}).get("uid") or None
-
-
 RECENT_VERSIONS = 8  # versions per object the watch delivered, remembered to recognize a stale write answer
 GONE_UIDS = 4096  # uids of deleted objects, remembered to drop late write answers for them
 PENDING_SECONDS = 30.0  # how long a stored write answer waits for its watch event before events apply again
+# Objects per page of a listing: a listing holds one page of whole objects at a time. With 1,000 services present
+# (informers listing side by side) a restarted operator peaked at 201 MB with pages of 500, 119 MB with 100, 110 MB
+# with 50 (95 MB through the ramp; 2026-12-07, bench/operator_bench.py's cluster); 100 keeps most of the gain for
+# half the requests of 50 (a restart at 5,000 services: 50 pages per kind).
+LIST_PAGE = 100
+
+
+class Entry:
+    """One cached object: what the cache reads without decoding it, and the object as pickle bytes (objects come
+    from JSON and from the operator itself: only dicts, lists, strings, numbers, booleans and None)."""
+    __slots__ = ("rv", "uid", "labels", "blob")
+
+    def __init__(self, obj: dict):
+        meta = obj.get("metadata") or {}
+        self.rv: str | None = meta.get("resourceVersion") or None  # opaque: compared for equality only
+        self.uid: str | None = meta.get("uid") or None
+        # interned: the same few label keys and a service's name repeat across every object of a fleet
+        self.labels: dict[str, str] = {sys.intern(str(k)): sys.intern(str(v))
+                                       for k, v in (meta.get("labels") or {}).items()}
+        self.blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def object(self) -> dict:
+        """A new dict each time: callers may edit what they get."""
+        return pickle.loads(self.blob)
+
+    def matches(self, want: dict[str, str] | None) -> bool:
+        return not want or all(self.labels.get(k) == v for k, v in want.items())
 
 
 def strip_managed_fields(obj: dict) -> dict:
@@ -74,10 +101,14 @@ class Informer:
     """The cache of one kind in one namespace ('' or None: all), optionally filtered by a label selector."""
 
     def __init__(self, name: str, list_page: Callable, watch_stream: Callable, *, on_event: EventFn | None = None,
-                 transform: Callable[[dict], dict] = strip_managed_fields, page_size: int = 500,
+                 transform: Callable[[dict], dict] = strip_managed_fields, page_size: int = LIST_PAGE,
                  watch_timeout: float = 300.0, max_backoff: float = 30.0, namespace: str | None = None,
-                 selector: str | None = None, index_label: str | None = None, health=None):
+                 selector: str | None = None, index_label: str | None = None, health=None,
+                 list_gate: threading.Semaphore | None = None):
         self.name = name
+        # shared by the informers of one process: one listing at a time, so a restart holds one page of whole
+        # objects, not one per kind (the listings are short; the watches run side by side)
+        self.list_gate = list_gate
         # objects by (namespace, value of this label): a service's children without scanning them all
         self.index_label = index_label
         self._index: dict[tuple[str, str], set[Key]] = {}
@@ -90,12 +121,12 @@ class Informer:
         self.page_size = page_size
         self.watch_timeout = watch_timeout
         self.max_backoff = max_backoff
-        self._items: dict[Key, dict] = {}
+        self._items: dict[Key, Entry] = {}
         self._lock = threading.Lock()
         self._rv: str | None = None
         # what tells a write's answer from the watch's order (see put): the versions the watch delivered per
         # object, the uids of objects deleted, and the answers stored before their event (key -> version, when)
-        self._recent: dict[Key, deque[str]] = {}
+        self._recent: dict[Key, tuple[str, ...]] = {}
         self._gone: OrderedDict[str, None] = OrderedDict()
         self._pending: dict[Key, tuple[str, float]] = {}
         self._stop = threading.Event()
@@ -120,11 +151,20 @@ class Informer:
 
     def get(self, namespace: str, name: str) -> dict | None:
         with self._lock:
-            return self._items.get((namespace or "", name))
+            entry = self._items.get((namespace or "", name))
+        return entry.object() if entry is not None else None
 
-    def items(self, namespace: str | None = None) -> list[dict]:
+    def version(self, namespace: str, name: str) -> str | None:
+        """The cached object's resourceVersion (None: not cached), without decoding it."""
         with self._lock:
-            return [o for (ns, _), o in self._items.items() if namespace in (None, "", ns)]
+            entry = self._items.get((namespace or "", name))
+        return entry.rv if entry is not None else None
+
+    def items(self, namespace: str | None = None, labels: dict[str, str] | None = None) -> list[dict]:
+        """The objects in `namespace` (None or '': all) that carry `labels`; only those are decoded."""
+        with self._lock:
+            entries = [e for (ns, _), e in self._items.items() if namespace in (None, "", ns) and e.matches(labels)]
+        return [e.object() for e in entries]
 
     def keys(self) -> list[Key]:
         with self._lock:
@@ -134,18 +174,32 @@ class Informer:
         with self._lock:
             return len(self._items)
 
-    def indexed(self, namespace: str, value: str) -> list[dict]:
-        """Objects in `namespace` whose `index_label` is `value`."""
+    def stored_bytes(self) -> int:
+        """The bytes of the encoded objects (their labels and bookkeeping aside), for the operator's metrics."""
         with self._lock:
-            return [self._items[k] for k in self._index.get((namespace or "", value), ()) if k in self._items]
+            return sum(len(e.blob) for e in self._items.values())
+
+    def _indexed_entries(self, namespace: str, value: str) -> list[tuple[Key, Entry]]:
+        return [(k, self._items[k]) for k in self._index.get((namespace or "", value), ()) if k in self._items]
+
+    def indexed(self, namespace: str, value: str, labels: dict[str, str] | None = None) -> list[dict]:
+        """Objects in `namespace` whose `index_label` is `value` (and that carry `labels`)."""
+        with self._lock:
+            entries = [e for _, e in self._indexed_entries(namespace, value) if e.matches(labels)]
+        return [e.object() for e in entries]
+
+    def indexed_versions(self, namespace: str, value: str) -> list[tuple[str, str | None]]:
+        """(name, resourceVersion) of the objects `indexed` returns, without decoding them (resync fingerprints)."""
+        with self._lock:
+            return sorted((k[1], e.rv) for k, e in self._indexed_entries(namespace, value))
 
     # the index follows every change of _items (callers hold the lock)
-    def _label(self, obj: dict | None) -> str | None:
-        if obj is None or not self.index_label:
+    def _label(self, entry: Entry | None) -> str | None:
+        if entry is None or not self.index_label:
             return None
-        return ((obj.get("metadata") or {}).get("labels") or {}).get(self.index_label)
+        return entry.labels.get(self.index_label)
 
-    def _set(self, k: Key, obj: dict | None) -> None:
+    def _set(self, k: Key, obj: Entry | None) -> None:
         old = self._items.get(k)
         before, after = self._label(old), self._label(obj)
         if before is not None and before != after:
@@ -168,11 +222,12 @@ class Informer:
         always safe: the watch delivers the object's newest version anyway; storing a stale one is not."""
         obj = self.transform(obj)
         k = key_of(obj)
-        rv = _rv(obj)
+        entry = Entry(obj)
+        rv = entry.rv
         with self._lock:
-            if _uid(obj) in self._gone or (rv is not None and rv in self._recent.get(k, ())):
+            if entry.uid in self._gone or (rv is not None and rv in self._recent.get(k, ())):
                 return
-            self._set(k, obj)
+            self._set(k, entry)
             if rv is not None:
                 self._pending[k] = (rv, time.monotonic())
 
@@ -180,18 +235,18 @@ class Informer:
         """Our own delete: the object leaves the cache, and a late answer to an earlier write cannot bring it back."""
         k = (namespace or "", name)
         with self._lock:
-            self._forget(k, self._items.get(k))
+            old = self._items.get(k)
+            self._forget(k, old.uid if old is not None else None)
             self._set(k, None)
 
     # the bookkeeping of put (callers hold the lock)
     def _delivered(self, k: Key, rv: str | None) -> None:
-        if rv is not None:
-            self._recent.setdefault(k, deque(maxlen=RECENT_VERSIONS)).append(rv)
+        if rv is not None:  # a tuple: a deque of 8 took 624 bytes per object
+            self._recent[k] = (self._recent.get(k, ()) + (rv,))[-RECENT_VERSIONS:]
 
-    def _forget(self, k: Key, obj: dict | None) -> None:
+    def _forget(self, k: Key, uid: str | None) -> None:
         self._recent.pop(k, None)
         self._pending.pop(k, None)
-        uid = _uid(obj)
         if uid is not None:
             self._gone[uid] = None
             while len(self._gone) > GONE_UIDS:
@@ -209,13 +264,14 @@ class Informer:
     def _apply_event(self, etype: str, obj: dict) -> None:
         obj = self.transform(obj)
         k = key_of(obj)
+        entry = Entry(obj)
         with self._lock:
             old = self._items.get(k)
             if etype == "DELETED":
-                self._forget(k, old or obj)
+                self._forget(k, (old or entry).uid)
                 self._set(k, None)
             else:
-                rv = _rv(obj)
+                rv = entry.rv
                 self._delivered(k, rv)
                 pending = self._pending.get(k)
                 if pending is not None and time.monotonic() - pending[1] < PENDING_SECONDS:
@@ -223,38 +279,43 @@ class Informer:
                         del self._pending[k]  # our own write's event: the cache holds it already
                     return  # or a change older than our write, whose answer the cache holds
                 self._pending.pop(k, None)
-                if old is not None and rv is not None and rv == _rv(old):
+                if old is not None and rv is not None and rv == old.rv:
                     return  # the version the cache holds
-                self._set(k, obj)
+                self._set(k, entry)
+        if self.on_event is None:
+            return
         if etype == "DELETED":
-            self._emit("DELETED", old or obj, None)
+            self._emit("DELETED", old.object() if old is not None else obj, None)
         else:
-            self._emit("ADDED" if old is None else "MODIFIED", old, obj)
+            self._emit("ADDED" if old is None else "MODIFIED", old.object() if old is not None else None, obj)
 
-    def _replace(self, listed: list[dict]) -> None:
-        """A fresh listing: the cache becomes exactly it; the differences are delivered as events."""
-        fresh = {}
+    def _replace(self, listed: Iterable[dict]) -> None:
+        """A fresh listing: the cache becomes exactly it; the differences are delivered as events. `listed` is
+        consumed one object at a time (a listing's pages: each is transformed and encoded before the next)."""
+        fresh: dict[Key, Entry] = {}
         for raw in listed:
             obj = self.transform(raw)
-            fresh[key_of(obj)] = obj
+            fresh[key_of(obj)] = Entry(obj)
         with self._lock:
             old_items, self._items, self._index = self._items, {}, {}
             self._pending.clear()  # the listing is the truth now (a write after it arrives by the watch)
             for k, old in old_items.items():
-                if k not in fresh or _uid(fresh[k]) != _uid(old):
-                    self._forget(k, old)  # deleted in the gap (or deleted and created again)
-            for k, obj in fresh.items():
-                self._set(k, obj)
-                self._delivered(k, _rv(obj))
+                if k not in fresh or fresh[k].uid != old.uid:
+                    self._forget(k, old.uid)  # deleted in the gap (or deleted and created again)
+            for k, entry in fresh.items():
+                self._set(k, entry)
+                self._delivered(k, entry.rv)
+        if self.on_event is None:
+            return
         for k, old in old_items.items():
             if k not in fresh:
-                self._emit("DELETED", old, None)
-        for k, obj in fresh.items():
+                self._emit("DELETED", old.object(), None)
+        for k, entry in fresh.items():
             old = old_items.get(k)
             if old is None:
-                self._emit("ADDED", None, obj)
-            elif _rv(old) is None or _rv(obj) != _rv(old):
-                self._emit("MODIFIED", old, obj)
+                self._emit("ADDED", None, entry.object())
+            elif old.rv is None or entry.rv != old.rv:
+                self._emit("MODIFIED", old.object(), entry.object())
 
     # ------------------------------------------------------------------ the loop
     def start(self) -> "Informer":
@@ -279,16 +340,22 @@ class Informer:
             self._thread.join(join)
 
     def _list(self) -> None:
-        items: list[dict] = []
-        cont = None
-        while True:
-            page, rv, cont = self._list_page(self.page_size, cont)
-            items.extend(page)
-            if not cont:
-                break
+        listed: dict[str, str] = {}
+
+        def pages() -> Iterator[dict]:
+            cont = None
+            while True:
+                page, listed["rv"], cont = self._list_page(self.page_size, cont)
+                yield from page
+                if not cont:
+                    return
+        if self.list_gate is None:
+            self._replace(pages())
+        else:
+            with self.list_gate:
+                self._replace(pages())
         self.lists += 1
-        self._rv = rv
-        self._replace(items)
+        self._rv = listed["rv"]
         if self.waiting_reason:
             log.info("%s: listed after waiting (%s)", self.name, self.waiting_reason)
             self.waiting_reason = None
