@@ -253,17 +253,12 @@ class Controller:
         infs = self.cache.informers.get(ES) or []
         return [o for i in infs if i.synced for o in i.items(None)]
 
-    def cached_objects(self) -> dict[str, int]:
-        """Objects in the watch caches by kind (the operator's memory grows with them: its /metrics)."""
+    def cached(self) -> dict[str, tuple[int, int]]:
+        """Objects in the watch caches by kind, and their encoded bytes (the operator's memory grows with them)."""
         with self._lock:
             groups = list(self.cache.informers.items())
-        return {kind: sum(inf.size() for inf in informers) for (_, kind), informers in groups}
-
-    def cached_bytes(self) -> dict[str, int]:
-        """The encoded size of the cached objects by kind (what of the operator's memory the caches hold)."""
-        with self._lock:
-            groups = list(self.cache.informers.items())
-        return {kind: sum(inf.stored_bytes() for inf in informers) for (_, kind), informers in groups}
+        return {kind: (sum(inf.size() for inf in informers), sum(inf.stored_bytes() for inf in informers))
+                for (_, kind), informers in groups}
 
     def pods_of(self, namespace: str, name: str) -> list[dict]:
         """A service's Pods from the watch cache (none when it is not synced), for the metrics."""

@@ -131,10 +131,9 @@ class _ControllerCollector:
                                    "spec.monitoring.p99LatencySeconds (only for services that set it)",
                                    labels=["namespace", "service"])
         if c is not None:
-            for kind, n in c.cached_objects().items():
+            for kind, (n, size) in c.cached().items():
                 cached.add_metric([kind], float(n))
-            for kind, n in c.cached_bytes().items():
-                cached_bytes.add_metric([kind], float(n))
+                cached_bytes.add_metric([kind], float(size))
             depth.add_metric([], len(c.queue))
             retrying.add_metric([], c.queue.failing())
             for es in c.services():

@@ -19,11 +19,8 @@ class FakeController:
                      {"type": "Ready", "status": "False"}, {"type": "Stalled", "status": "True"}]}},
                 {"metadata": {"namespace": "ml", "name": "plain"}, "spec": {}, "status": {}}]
 
-    def cached_objects(self):
-        return {"EmbeddingService": 2, "Pod": 3}
-
-    def cached_bytes(self):
-        return {"EmbeddingService": 3000, "Pod": 4500}
+    def cached(self):
+        return {"EmbeddingService": (2, 3000), "Pod": (3, 4500)}
 
     def pods_of(self, ns, name):
         if name != "bge":

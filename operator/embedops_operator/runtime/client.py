@@ -255,11 +255,8 @@ class Client:
 
     def list(self, api_version: str, kind: str, namespace: str | None, selector: str | None = None) -> list[dict]:
         query = [("labelSelector", selector)] if selector else []
-        items = self.request("GET", self.path(api_version, kind, namespace), query=query).get("items", [])
-        for item in items:  # as in lister: the items of a list carry no apiVersion and kind
-            item.setdefault("apiVersion", api_version)
-            item.setdefault("kind", kind)
-        return items
+        return with_kind(self.request("GET", self.path(api_version, kind, namespace), query=query).get("items", []),
+                         api_version, kind)
 
     # ------------------------------------------------------------------ watch-cache transport
     def lister(self, api_version: str, kind: str, namespace: str | None, selector: str | None = None) -> Callable:
@@ -272,13 +269,8 @@ class Client:
                 query.append(("continue", cont))
             out = self.request("GET", path, query=query)
             meta = out.get("metadata") or {}
-            items = out.get("items") or []
-            # a list's items carry no apiVersion and kind (the list has them); a watch event's object does. Without
-            # them a listed child never equals its rendered manifest, and a restarted operator wrote every one again
-            for item in items:
-                item.setdefault("apiVersion", api_version)
-                item.setdefault("kind", kind)
-            return items, meta.get("resourceVersion", ""), meta.get("continue") or None
+            return (with_kind(out.get("items") or [], api_version, kind), meta.get("resourceVersion", ""),
+                    meta.get("continue") or None)
         return list_page
 
     def watcher(self, api_version: str, kind: str, namespace: str | None, selector: str | None = None) -> Callable:
@@ -415,3 +407,12 @@ def read_verb(path: str) -> str:
     if rest[0] == "namespaces" and len(rest) > 2:
         rest = rest[2:]
     return "GET" if len(rest) >= 2 else "LIST"
+
+
+def with_kind(items: list[dict], api_version: str, kind: str) -> list[dict]:
+    """A list's items carry no apiVersion and kind (the list has them); a watch event's object does. Without them a
+    listed child never equals its rendered manifest: a restarted operator applied every one again (issue 58)."""
+    for item in items:
+        item.setdefault("apiVersion", api_version)
+        item.setdefault("kind", kind)
+    return items
