@@ -7,7 +7,9 @@ site-packages after the side venv's own, so the side venv's transformers wins an
 the main venv (checked at creation: transformers' version and torch's path). Created once, inside the main
 venv (under ~/.cache/embedops outside one; ``EMBEDOPS_FLAG_VENV`` overrides); a marker file records success.
 
-``encode()`` runs ``bench/flagembedding_runner.py`` in that venv as a subprocess; results come back as .npz.
+``encode()`` runs ``bench/flagembedding_runner.py`` in that venv as a subprocess; results come back as .npz, and
+are kept under ~/.cache/embedops/flagembedding-answers keyed by the model folder's bytes and the request (not when
+timing), so the parity tests pay for FlagEmbedding once per machine.
 """
 from __future__ import annotations
 
@@ -87,18 +89,46 @@ def encode(model_dir: Path | str, texts: list[str], *, max_length: int = 512, ba
 
     Returns {"dense": [N, D], "sparse": [{token id: weight}], "colbert": [[n_i, d]]}, plus "seconds" (one
     full encode per round, after one warm-up) when ``timing_rounds`` > 0."""
+    request = {"texts": texts, "max_length": max_length, "batch_size": batch_size, "timing_rounds": timing_rounds}
+    # Without timings the answer is a function of the folder's bytes and the request: kept under that key, a
+    # second run (CI on a warm machine) reads it instead of making the side venv and loading FlagEmbedding (50 s)
+    saved = None if timing_rounds else CACHE / "flagembedding-answers" / _answer_key(Path(model_dir), request, threads)
+    if saved is not None and (saved / "out.json").exists():
+        return _read_answer(saved, len(texts))
     py = ensure_venv()
     with tempfile.TemporaryDirectory() as tmp:
         req = Path(tmp) / "request.json"
-        req.write_text(json.dumps({"model": str(model_dir), "texts": texts, "max_length": max_length,
-                                   "batch_size": batch_size, "timing_rounds": timing_rounds}))
+        req.write_text(json.dumps({"model": str(model_dir), **request}))
         env = dict(os.environ)
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         env.pop("PYTHONPATH", None)
         subprocess.run([str(py), str(RUNNER), str(req), tmp], check=True, env=env)
-        z = np.load(Path(tmp) / "out.npz")
-        meta = json.loads((Path(tmp) / "out.json").read_text())
-        out = {"dense": z["dense"], "sparse": [{int(k): float(v) for k, v in d.items()} for d in meta["sparse"]],
-               "colbert": [z[f"colbert_{i}"] for i in range(len(texts))], "seconds": meta.get("seconds", [])}
+        out = _read_answer(Path(tmp), len(texts))
+        if saved is not None:
+            staged = saved.with_name(f"{saved.name}.{os.getpid()}.tmp")
+            shutil.rmtree(staged, ignore_errors=True)
+            staged.mkdir(parents=True)
+            for name in ("out.npz", "out.json"):  # out.json last: its presence says the entry is whole
+                shutil.copyfile(Path(tmp) / name, staged / name)
+            try:
+                staged.rename(saved)
+            except OSError:  # another process saved the same answer first
+                shutil.rmtree(staged, ignore_errors=True)
     return out
+
+
+def _answer_key(model_dir: Path, request: dict, threads: int | None) -> str:
+    """The folder's every file (name and bytes), the request, the thread count and the reference's versions."""
+    h = hashlib.sha256(json.dumps([FLAG_VERSION, REQUIREMENTS, NO_DEPS, request, threads]).encode())
+    for f in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(model_dir)).encode() + b"\0")
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()[:24]
+
+
+def _read_answer(folder: Path, n: int) -> dict:
+    z = np.load(folder / "out.npz")
+    meta = json.loads((folder / "out.json").read_text())
+    return {"dense": z["dense"], "sparse": [{int(k): float(v) for k, v in d.items()} for d in meta["sparse"]],
+            "colbert": [z[f"colbert_{i}"] for i in range(n)], "seconds": meta.get("seconds", [])}

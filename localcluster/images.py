@@ -314,12 +314,84 @@ def _make_context(ctx: Path, wheels: Path) -> None:
             shutil.copy2(w, ctx / "wheels" / w.name)
 
 
+# The dependencies of an image in a venv of their own image, so that a source change (every commit) installs only
+# the project over them: 6 s instead of pip installing 81 wheels again (docs/images.md). The project's metadata
+# is installed without its code to resolve them as the Dockerfile's own `pip install ".[extra]"` does, then removed.
+DEPS_CONTAINERFILE = """ARG BASE_IMAGE
+FROM ${BASE_IMAGE}
+ARG EXTRA
+ARG TORCH_SPEC=
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1 PIP_FIND_LINKS=/ctx/wheels
+WORKDIR /src
+COPY pyproject.toml README.md ./
+RUN --mount=type=bind,target=/ctx python3 -m venv /opt/venv \\
+    && mkdir server operator \\
+    && if [ -n "$TORCH_SPEC" ]; then /opt/venv/bin/pip install "$TORCH_SPEC"; fi \\
+    && /opt/venv/bin/pip install ".[$EXTRA]" && /opt/venv/bin/pip uninstall --yes embedops \\
+    && rm -rf /src/*
+"""
+DEPS_REPO = "localhost/embedops-deps"
+
+
+def deps_image(name: str, wheels: Path, base: str, torch_spec: str) -> str:
+    """``localhost/embedops-deps:<tag>-<name>``: the base with /opt/venv holding the image's dependencies from the
+    wheelhouse; ``<tag>`` hashes pyproject.toml, the wheels, the base and this recipe. Made when missing."""
+    extra = "operator" if name == "operator" else "server"
+    h = hashlib.sha256(f"{DEPS_CONTAINERFILE}\0{extra}\0{torch_spec}\0{local_image_id(base) or base}\0"
+                       f"{README_STANDIN}".encode())
+    h.update((ROOT / "pyproject.toml").read_bytes())
+    for w in sorted(wheels.glob("*.whl")):
+        h.update(f"{w.name}\0{w.stat().st_size}\0".encode())
+    ref = f"{DEPS_REPO}:{h.hexdigest()[:12]}-{name}"
+    with build_lock(ref):
+        if not local_image_id(ref):
+            t0 = time.time()
+            ctx = Path(tempfile.mkdtemp(prefix=f"ctx-deps-{name}-", dir=cache_root()))
+            try:
+                shutil.copy2(ROOT / "pyproject.toml", ctx / "pyproject.toml")
+                (ctx / "README.md").write_text(README_STANDIN)
+                (ctx / "Containerfile").write_text(DEPS_CONTAINERFILE)
+                (ctx / "wheels").mkdir()
+                for w in wheels.glob("*.whl"):
+                    try:
+                        os.link(w, ctx / "wheels" / w.name)
+                    except OSError:
+                        shutil.copy2(w, ctx / "wheels" / w.name)
+                log = cache_root() / "archives" / f"deps-{name}.build.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                say(f"building {ref} (log {log})")
+                cmd = ["podman", "build", "--network=none", "--pull=never", "--layers=false", "--rm",
+                       "-f", str(ctx / "Containerfile"), "-t", ref, "--build-arg", f"BASE_IMAGE={base}",
+                       "--build-arg", f"EXTRA={extra}", "--build-arg", f"TORCH_SPEC={torch_spec}", str(ctx)]
+                with open(log, "w") as f:
+                    r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
+                if r.returncode != 0:
+                    raise RuntimeError(f"podman build of {ref} failed (rc {r.returncode}), log {log}:\n"
+                                       f"{log.read_text()[-6000:]}")
+            finally:
+                shutil.rmtree(ctx, ignore_errors=True)
+            say(f"built {ref} in {time.time() - t0:.0f}s")
+            _prune_deps(name, keep=ref)
+    return ref
+
+
+def _prune_deps(name: str, keep: str) -> None:
+    """The KEEP newest dependency images of ``name``: older pyproject.toml versions' are removed."""
+    r = subprocess.run(["podman", "images", "--format", "{{.Repository}}:{{.Tag}} {{.CreatedAt}}", DEPS_REPO],
+                       capture_output=True, text=True)
+    refs = [line.split(" ", 1) for line in r.stdout.splitlines() if line.split(" ", 1)[0].endswith(f"-{name}")]
+    refs.sort(key=lambda x: x[1] if len(x) > 1 else "", reverse=True)
+    for ref in [x[0] for x in refs if x[0] != keep][KEEP - 1:]:
+        subprocess.run(["podman", "rmi", ref], capture_output=True)  # fails while in use: fine
+
+
 def _build_one(name: str, wheels: Path, base: str) -> Image:
     dockerfile, repo, suffix, extra_args = IMAGES[name]
     base_id = local_image_id(base) or base
     args = {"BASE_IMAGE": base, "WHEELS": "wheels", **extra_args}
     if name == "server-cuda":
         args["TORCH_SPEC"] = _torch_spec()  # the one in the CUDA wheelhouse
+    args["BUILD_IMAGE"] = deps_image(name, wheels, base, args.get("TORCH_SPEC", ""))
     tag = _tag(name, wheels, base_id, args) + suffix
     ref = f"{repo}:{tag}"
     archives = cache_root() / "archives"

@@ -9,7 +9,7 @@ spaces for 22.6 s (154 alternations). Now: the new space comes up beside the old
 service's address answers from the old space only until the promotion, from the new one only after it, and from the
 old one again after a rollback; no request fails. And issue 52's fault on the way: the Service deleted while the new
 space awaits its promotion (it came back selecting the new space, and the Deployment that served was deleted): it
-comes back on the old space, and requests fail only while it is gone and their names resolve to its old address.
+comes back on the old space at the address it had, and requests fail only until the cluster gives it endpoints.
 """
 from __future__ import annotations
 
@@ -54,8 +54,9 @@ while not os.path.exists("/tmp/stop") and time.time() - t0 < float(os.environ["M
             print(json.dumps([round(t, 3), r.status, r.headers.get("embedding-space"), round(v[0], 6)]), flush=True)
     except urllib.error.HTTPError as e:
         print(json.dumps([round(t, 3), e.code, None, None]), flush=True)
-    except Exception as e:
-        print(json.dumps([round(t, 3), 0, type(e).__name__, None]), flush=True)
+    except Exception as e:  # [time, 0, the error, seconds it took]
+        error = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+        print(json.dumps([round(t, 3), 0, error, round(time.time() - t, 3)]), flush=True)
         try:  # the Service deleted and recreated (a new ClusterIP): resolve its name again
             url = resolve()
         except OSError:
@@ -112,6 +113,20 @@ def _selector(svc, ns: str) -> str | None:
         raise
 
 
+def _owned_slice_ready(svc, ns: str) -> float | None:
+    """When an EndpointSlice of the Service as it is now (owned by its uid) lists a ready endpoint: that time."""
+    from kubernetes import client
+
+    uid = svc.core.read_namespaced_service(NAME, ns).metadata.uid
+    slices = client.DiscoveryV1Api(svc.core.api_client).list_namespaced_endpoint_slice(
+        ns, label_selector=f"kubernetes.io/service-name={NAME}").items
+    for s in slices:
+        if any(o.uid == uid for o in s.metadata.owner_references or []) and \
+                any((e.conditions.ready if e.conditions else True) for e in s.endpoints or []):
+            return time.time()
+    return None
+
+
 def runs(answers: list) -> list[list]:
     """[space, first time, last time, answers] for each run of answers from one space, in order."""
     out: list[list] = []
@@ -160,16 +175,21 @@ def test_a_model_change_never_mixes_two_spaces_behind_the_service_address(kube, 
                         real.node_selector)
     assert direct[0]["status"] == 200
     # issue 52's fault: the Service deleted while the new space waits for its promotion (before, it came back
-    # selecting the new space, and the Deployment that served was deleted). It comes back on the old space; the
-    # probes fail only until it is back and their names resolve to its new ClusterIP.
+    # selecting the new space, and the Deployment that served was deleted). It comes back on the old space, at
+    # the address it had; the probes fail only until the cluster gives the recreated Service its endpoints.
     deleted = time.time()
     svc.core.delete_namespaced_service(NAME, ns)
     recreated = wait_for(lambda: _selector(svc, ns), timeout=60, what="the Service recreated")
     assert recreated == NAME, recreated  # the serving space's track
     back = time.time()
-    # the old ClusterIP's DNS answers expire (CoreDNS: TTL 5 s, cache 5 s) and a probe's connect to it times out
-    # (10 s): the probes answer again within 20 s
-    time.sleep(20)
+    # Requests fail meanwhile: "No route to host" while no Service holds the address, "Connection refused" while
+    # kube-proxy knows the Service and no EndpointSlice of it (the garbage collector deletes the old Service's
+    # slice, the EndpointSlice controller makes the new one: under CI's load once 20 s after the Service was
+    # back). The window ends when the new Service's own slice lists a ready endpoint, plus kube-proxy's sync
+    # (1 s at most) and a failing connect begun before it (3 s).
+    endpoints = wait_for(lambda: _owned_slice_ready(svc, ns), timeout=120, interval=0.2,
+                         what="the recreated Service's endpoints")
+    time.sleep(max(0.0, endpoints + 6 - time.time()))  # the window below closes before the promotion
     assert svc.apps.read_namespaced_deployment(NAME, ns)  # the Deployment that serves was not deleted
     promoted = promote(svc, cand["key"])
     wait_for(lambda: spaces_of(svc).get("serving", {}).get("key") == cand["key"], timeout=60, what="promoted")
@@ -184,7 +204,7 @@ def test_a_model_change_never_mixes_two_spaces_behind_the_service_address(kube, 
         logs[name] = [json.loads(x) for x in svc.core.read_namespaced_pod_log(name, ns).splitlines() if x.startswith("[")]
         svc.core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
     answers = logs[probe]
-    fault = (deleted, back + 20)  # where a probe may fail: no Service, then a stale DNS answer
+    fault = (deleted, endpoints + 5)  # where a probe may fail: no Service, then a Service without endpoints
     failed = [a for a in answers if a[1] != 200 and not fault[0] <= a[0] <= fault[1]]
     by_space = {}
     for _, status, space, v0 in answers:
@@ -199,9 +219,12 @@ def test_a_model_change_never_mixes_two_spaces_behind_the_service_address(kube, 
                "promotion_to_last_old_s": round(r[0][2] - promoted, 2),
                "rollback_to_last_new_s": round(r[1][2] - rolled_back, 2) if len(r) > 1 else None,
                "service_deleted_at_s": round(deleted - changed, 2), "service_back_after_s": round(back - deleted, 2),
-               "failed_while_deleted": sum(1 for a in answers if a[1] != 200 and fault[0] <= a[0] <= fault[1])}
+               "endpoints_back_after_s": round(endpoints - deleted, 2),
+               "failed_while_deleted": sum(1 for a in answers if a[1] != 200 and fault[0] <= a[0] <= fault[1]),
+               "failures": [[round(t - changed, 2), status, error, took] for t, status, error, took in answers
+                            if status != 200]}
     print(f"space migration through the service's ClusterIP: {json.dumps(summary)}")
-    assert not failed, failed[:10]
+    assert not failed, [[round(t - changed, 2), error, took] for t, _, error, took in failed[:10]]
     assert [s for s, *_ in r] == [old["fingerprint"], cand["fingerprint"], old["fingerprint"]], summary
     assert old["fingerprint"] != cand["fingerprint"]
     assert all(len(v) == 1 for v in by_space.values()), by_space  # the header and the vector agree: one vector each

@@ -158,6 +158,7 @@ def test_apiserver_stopped_20s_during_a_rollout_of_50_services(env):
     wait_for("every service reconciled", all_reconciled, 240, 0.25)
     t_reconciled = time.monotonic() - t_back
     recovery_log = env.op.log().splitlines()[log0 + len(outage_log):]
+    env.cluster.restart_controllers()  # as leader election would have (else a minute of client-go back-off)
 
     def available(e, n):
         return (e.apps.read_namespaced_deployment(n, e.ns).status.available_replicas or 0) >= 1

@@ -167,5 +167,6 @@ def test_two_replicas_ride_out_an_apiserver_outage_of_20s(env, kube):
     finally:
         stop.set()
         sup.join(5)
+    cluster.restart_controllers()  # as leader election would have (else up to a minute of client-go back-off)
     settled = settle_after_outage(kube)
     print(f"the controller-manager acted on a new namespace {settled:.0f} s after the test")

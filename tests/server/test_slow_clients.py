@@ -22,7 +22,7 @@ from localcluster.models import minilm_dir
 from .conftest import free_port, run_server, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
-TRICKLE_S = 60.0
+TRICKLE_S = 30.0  # six times uvicorn's keep-alive timeout: long past any idle limit, and 30 s of CI less than 60
 BUDGET = 4  # --max-concurrent-requests: one request of 4 inputs takes all of it
 BODY = json.dumps({"inputs": ["slow clients", "hold", "no", "budget"]}).encode()
 
@@ -105,7 +105,7 @@ def test_trickling_clients_hold_no_admission_budget_or_inference_slot():
                          for m in ("te_in_flight_inputs", "te_queue_size")}
                 samples.append((engine.in_flight, len(engine.queue), gauge["te_in_flight_inputs"],
                                 gauge["te_queue_size"]))
-                time.sleep(2)
+                time.sleep(1)
         for t in tricklers:
             t.join(TRICKLE_S + 60)
         for t in tricklers:  # each was a real request: answered once complete
