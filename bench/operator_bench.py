@@ -25,6 +25,7 @@ Results: a table on stdout and ``bench/results/operator-<stamp>.json`` (+ ``oper
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -323,6 +324,18 @@ class Bench:
     def rollout(self) -> None:
         m0 = self.metrics()
         t0 = time.monotonic()
+        # the operator's request rate, its busiest 10 s (its FlowSchema's count, sampled beside the ramp)
+        rates, done = [], threading.Event()
+
+        def sample() -> None:
+            last = m0["operator"]
+            while not done.wait(10.0):
+                with contextlib.suppress(Exception):
+                    now = self.metrics()["operator"]
+                    rates.append((now - last) / 10.0)
+                    last = now
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         with ThreadPoolExecutor(8) as ex:
             list(ex.map(lambda i: self.custom.create_namespaced_custom_object(
                 GROUP, VERSION, NS, PLURAL, es_body(i)), range(self.n)))
@@ -337,6 +350,9 @@ class Bench:
         self._wait("all EmbeddingServices Ready", all_ready, self.args.timeout, interval=1.0)
         self.row["operator_ready_s"] = round(time.monotonic() - t0, 1)
         self.row["create_s"] = round(created, 1)
+        done.set()
+        sampler.join(30)
+        self.row["rollout_peak_rps"] = round(max(rates, default=0.0), 1)
         m1 = self.metrics()
         self.row["rollout_requests_operator"] = int(m1["operator"] - m0["operator"])
         # the bench's own creates and Ready polls are in the server's total; subtract them
@@ -356,6 +372,15 @@ class Bench:
         self.row["rest_operator_cpu_s_per_min"] = round((stats["cpu_s"] - cpu0) / w * 60, 2)
         self.row["peak_rss_mb"] = stats["peak_rss_mb"]
         self.row["cpu_s_total"] = stats["cpu_s"]
+        # one Prometheus scrape of the operator's /metrics at rest (the fleet's conditions, replicas, restarts):
+        # the median of five, after one that fills what the scrapes keep between them
+        took = []
+        for _ in range(6):
+            t = time.monotonic()
+            self.operator_metrics()
+            took.append(time.monotonic() - t)
+        self.row["scrape_ms"] = round(sorted(took[1:])[2] * 1000, 1)
+        self.row["first_scrape_ms"] = round(took[0] * 1000, 1)
         self.stop_operator()
         time.sleep(2)
         m2 = self.metrics()
@@ -420,14 +445,17 @@ class Bench:
 
 # ---------------------------------------------------------------------------------------------- report
 
-COLUMNS = [("label", "{}", 8), ("n", "{}", 5), ("floor_ready_s", "{:.1f}", 8), ("operator_ready_s", "{:.1f}", 8),
-           ("vs_floor", "{:.2f}", 6), ("rollout_cpu_s", "{:.1f}", 7), ("peak_rss_mb", "{:.0f}", 7),
-           ("rollout_requests_operator", "{}", 9), ("rest_per_min", "{:.1f}", 9),
+COLUMNS = [("label", "{}", 8), ("n", "{}", 5), ("floor_ready_s", "{:.1f}", 8), ("create_s", "{:.1f}", 8),
+           ("operator_ready_s", "{:.1f}", 8), ("vs_floor", "{:.2f}", 6), ("rollout_cpu_s", "{:.1f}", 7),
+           ("peak_rss_mb", "{:.0f}", 7), ("rollout_requests_operator", "{}", 9), ("rollout_peak_rps", "{:.1f}", 8),
+           ("rest_per_min", "{:.1f}", 9),
            ("rest_operator_per_min", "{:.1f}", 8), ("rest_operator_cpu_s_per_min", "{:.2f}", 8),
+           ("scrape_ms", "{:.1f}", 9),
            ("restart_s", "{:.1f}", 9), ("restart_peak_rss_mb", "{:.0f}", 10), ("restart_cpu_s", "{:.1f}", 9),
            ("restart_requests_operator", "{}", 9), ("restart_deployment_applies", "{}", 9)]
-HEADERS = ["version", "N", "floor s", "Ready s", "/floor", "CPU s", "RSS MB", "rollout req", "rest/min",
-           "own/min", "CPU s/min", "restart s", "restart MB", "restart CPU", "restart req", "dep applies"]
+HEADERS = ["version", "N", "floor s", "create s", "Ready s", "/floor", "CPU s", "RSS MB", "rollout req", "peak r/s",
+           "rest/min",
+           "own/min", "CPU s/min", "scrape ms", "restart s", "restart MB", "restart CPU", "restart req", "dep applies"]
 
 
 def table(rows: list[dict]) -> str:
@@ -440,8 +468,10 @@ def table(rows: list[dict]) -> str:
             cells.append(f"{'-' if v is None else fmt.format(v):>{w}}")
         lines.append(" ".join(cells) + (f"  error: {r['error']}" if r.get("error") else ""))
     lines += ["", "Ready s: first create until every EmbeddingService is Ready; floor s: the same rendered objects "
-              "applied directly; CPU s and RSS MB: the operator process until all Ready (RSS: peak, VmHWM); "
-              "rollout req: the operator's requests (its FlowSchema); rest/min: apiserver_request_total with the "
+              "applied directly; create s: the bench's own creates of the N EmbeddingServices (8 at once), what "
+              "the operator's requests slow for everyone else; CPU s and RSS MB: the operator process until all "
+              "Ready (RSS: peak, VmHWM); rollout req: the operator's requests (its FlowSchema), peak r/s: their "
+              "busiest 10 s; scrape ms: one GET of the operator's /metrics at rest (median of five); rest/min: apiserver_request_total with the "
               "operator running minus the same window stopped; own/min: the operator's requests at rest; restart "
               "(--restart): a new operator process with every service present, until every service was reconciled "
               "once: seconds, peak RSS (VmHWM), CPU s, its requests and server-side applies of Deployments."]

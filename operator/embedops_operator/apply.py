@@ -62,6 +62,7 @@ class Kube(Client):
     component = "embedops-operator"
     reporting_controller = "embedops.dev/operator"
     on_request = staticmethod(lambda verb, status: metrics.API_REQUESTS.labels(verb, status).inc())
+    on_throttle = staticmethod(lambda seconds: metrics.API_THROTTLED.observe(seconds))
 
 
 def needs_write(kube: Kube, desired: dict, manager: str = render.MANAGER, live: dict | None = None) -> bool:

@@ -31,7 +31,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     _setup_logging(args.log_format, args.verbose)
     flags = {"namespaces": [n for arg in args.namespace for n in arg.split(",") if n] or None,
-             "resync_seconds": args.resync_seconds, "stall_after_seconds": args.stall_after_seconds}
+             "resync_seconds": args.resync_seconds, "stall_after_seconds": args.stall_after_seconds,
+             "kube_api_qps": args.kube_api_qps, "kube_api_burst": args.kube_api_burst}
     settings = load_settings({k: v for k, v in flags.items() if v is not None})
     if settings is None:
         return 2
@@ -133,6 +134,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--stall-after-seconds", type=float, default=None,
                      help="seconds a pod may stay pending or failing before Stalled (default: "
                           "$EMBEDOPS_STALL_AFTER_SECONDS, else 60)")
+    run.add_argument("--kube-api-qps", type=float, default=None,
+                     help="requests a second to the API server on average, watches aside (default: "
+                          "$EMBEDOPS_KUBE_API_QPS, else 50; 0: no bound)")
+    run.add_argument("--kube-api-burst", type=int, default=None,
+                     help="requests at once above that rate (default: $EMBEDOPS_KUBE_API_BURST, else 100)")
     run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                      help="liveness endpoint URL ('' to disable)")
     run.add_argument("--metrics-address", default="0.0.0.0:8081",

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from functools import partial
+from typing import Callable
 
 from . import apply, kinds, metrics, render, spec
 from .runtime import client, watchcache
@@ -79,6 +80,8 @@ class Controller:
         self.settings = settings or OperatorSettings()
         # discovery is refreshed by the resync loop; reconciles in between reuse it
         kube.capability_ttl = max(kube.capability_ttl, self.settings.resync_seconds)
+        if self.settings.kube_api_qps > 0:  # the operator's own bound on its request rate (settings.py)
+            kube.limiter = client.TokenBucket(self.settings.kube_api_qps, self.settings.kube_api_burst)
         self.cache = CachedKube(kube, on_capabilities=self._optional_kinds)
         self.reconciler = Reconciler(self.cache, self.settings)
         # changes that arrive while a service is reconciled are merged for COALESCE_SECONDS: a burst of spec
@@ -248,10 +251,24 @@ class Controller:
             parts.append(inf.version(ns, config_map))
         return tuple(parts)
 
-    def services(self) -> list[dict]:
-        """The EmbeddingServices in the watch cache (none until it has synced), for the metrics."""
-        infs = self.cache.informers.get(ES) or []
-        return [o for i in infs if i.synced for o in i.items(None)]
+    def service_states(self) -> list[tuple[tuple[str, str], tuple, Callable[[], tuple[dict | None, list[dict]]]]]:
+        """For the metrics, each EmbeddingService in the watch cache (none until it has synced): its key, the
+        resourceVersions its figures come from (its own and its Pods', read without decoding them), and a call
+        that decodes it and its Pods, so a scrape decodes only the services that changed since the last one
+        (issue 58: decoding a fleet of 5,000 and their Pods on every scrape would cost about a second of CPU)."""
+        out = []
+        for inf in self.cache.informers.get(ES) or []:
+            if not inf.synced:
+                continue
+            for ns, name in inf.keys():
+                pods = self.cache.informer_for("v1", "Pod", ns)
+                versions = (inf.version(ns, name),
+                            tuple(pods.indexed_versions(ns, name)) if pods is not None and pods.synced else None)
+                out.append(((ns, name), versions, partial(self._service_and_pods, inf, ns, name)))
+        return out
+
+    def _service_and_pods(self, inf, ns: str, name: str) -> tuple[dict | None, list[dict]]:
+        return inf.get(ns, name), self.pods_of(ns, name)
 
     def cached(self) -> dict[str, tuple[int, int]]:
         """Objects in the watch caches by kind, and their encoded bytes (the operator's memory grows with them)."""

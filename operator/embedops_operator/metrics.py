@@ -46,6 +46,9 @@ QUEUE_WAIT = Histogram("embedops_operator_workqueue_wait_seconds",
                        buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60), registry=REGISTRY)
 API_REQUESTS = Counter("embedops_operator_api_requests", "Requests to the Kubernetes API server by verb and status "
                        "code ('error': no answer)", ["verb", "code"], registry=REGISTRY)
+API_THROTTLED = Histogram("embedops_operator_api_throttled_seconds", "Seconds a request to the API server waited "
+                          "for the operator's own rate bound (--kube-api-qps, --kube-api-burst), when it waited",
+                          buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30), registry=REGISTRY)
 LEADER = Gauge("embedops_operator_leader", "1 while this replica reconciles (holds the leader Lease)",
                registry=REGISTRY)
 for result in ("ok", "retry", "error"):
@@ -72,13 +75,19 @@ def memory_limit(paths=CGROUP_MEMORY_LIMITS) -> int | None:
 STATUSES = ("True", "False", "Unknown")
 _lock = threading.Lock()
 _controller = None
+# (namespace, name) -> (the resourceVersions they came from, the samples): a scrape decodes only the services that
+# changed since the one before (Controller.service_states)
+_samples: dict[tuple[str, str], tuple[tuple, list]] = {}
+_samples_lock = threading.Lock()
 
 
 def watch(controller) -> None:
     """Report ``controller``'s queue and services (None: it stopped)."""
-    global _controller
+    global _controller, _samples
     with _lock:
         _controller = controller
+    with _samples_lock:
+        _samples = {}  # what another controller's caches gave
     LEADER.set(0 if controller is None else 1)
     if controller is not None:
         controller.queue.observe_wait = QUEUE_WAIT.observe
@@ -99,6 +108,37 @@ def _restarts(pod: dict) -> int:
     st = pod.get("status") or {}
     return sum(cs.get("restartCount") or 0
                for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []))
+
+
+def _samples_of(es: dict, pods: list[dict]) -> list[tuple[str, list[str], float]]:
+    meta, st = es.get("metadata") or {}, es.get("status") or {}
+    ns, name = meta.get("namespace", ""), meta.get("name", "")
+    out = [("cond", [ns, name, x.get("type", ""), s], 1.0 if x.get("status") == s else 0.0)
+           for x in st.get("conditions") or [] for s in STATUSES]
+    out += [("replicas", [ns, name, "desired"], float(st.get("replicas") or 0)),
+            ("replicas", [ns, name, "ready"], float(st.get("readyReplicas") or 0)),
+            ("restarts", [ns, name], float(sum(_restarts(p) for p in pods)))]
+    p99 = ((es.get("spec") or {}).get("monitoring") or {}).get("p99LatencySeconds")
+    if p99:
+        out.append(("budget", [ns, name], float(p99)))
+    return out
+
+
+def _service_samples(c) -> Iterator[tuple[str, list[str], float]]:
+    global _samples
+    kept: dict[tuple[str, str], tuple[tuple, list]] = {}
+    with _samples_lock:
+        for key, versions, load in c.service_states():
+            memo = _samples.get(key)
+            if memo is None or memo[0] != versions or versions[1] is None:  # Pods not cached: read them again
+                es, pods = load()
+                if es is None:
+                    continue
+                memo = (versions, _samples_of(es, pods))
+            kept[key] = memo
+        _samples = kept  # deleted services are forgotten
+    for _, rows in kept.values():
+        yield from rows
 
 
 class _ControllerCollector:
@@ -136,18 +176,9 @@ class _ControllerCollector:
                 cached_bytes.add_metric([kind], float(size))
             depth.add_metric([], len(c.queue))
             retrying.add_metric([], c.queue.failing())
-            for es in c.services():
-                meta, st = es.get("metadata") or {}, es.get("status") or {}
-                ns, name = meta.get("namespace", ""), meta.get("name", "")
-                for x in st.get("conditions") or []:
-                    for s in STATUSES:
-                        cond.add_metric([ns, name, x.get("type", ""), s], 1.0 if x.get("status") == s else 0.0)
-                replicas.add_metric([ns, name, "desired"], float(st.get("replicas") or 0))
-                replicas.add_metric([ns, name, "ready"], float(st.get("readyReplicas") or 0))
-                restarts.add_metric([ns, name], float(sum(_restarts(p) for p in c.pods_of(ns, name))))
-                p99 = ((es.get("spec") or {}).get("monitoring") or {}).get("p99LatencySeconds")
-                if p99:
-                    budget.add_metric([ns, name], float(p99))
+            families = {"cond": cond, "replicas": replicas, "restarts": restarts, "budget": budget}
+            for family, labels, value in _service_samples(c):
+                families[family].add_metric(labels, value)
         yield from (depth, retrying, cond, replicas, restarts, budget, cached, cached_bytes, limit)
 
     def describe(self) -> list:

@@ -34,6 +34,12 @@ class OperatorSettings(BaseSettings):
     pod_upgrades: Literal["Keep", "Roll"] = Field("Keep", description="Keep | Roll: running services' pods across "
                                                   "operator upgrades")
     max_concurrent_upgrades: int = Field(1, ge=1, description="services rolled at once under pod_upgrades Roll")
+    # The operator's own bound on its request rate to the API server (client-go's token bucket; kube-controller-
+    # manager's --kube-api-qps/--kube-api-burst): a fleet's roll-out queues in the operator instead of slowing
+    # everyone else's kubectl. Watches are not counted; 0 turns the bound off (docs/operator.md "Sizing")
+    kube_api_qps: float = Field(50.0, ge=0, description="requests a second to the API server, on average (0: "
+                                "no bound)")
+    kube_api_burst: int = Field(100, ge=1, description="requests to the API server at once above kube_api_qps")
     # Where the platform's callers run, for services with spec.networkPolicy (the chart's networkPolicy.*): the
     # gateway's pods (admitted when the service has a route), Prometheus' (when it has a ServiceMonitor) and
     # KEDA's operator (the scale-from-zero demand on the activator's admin port)

@@ -206,7 +206,8 @@ def _error(status: int, kind: str, message: str, retry_after: int | None = None)
 
 class App:
     """One ASGI app for both ports: the admin port answers /healthz, /demand and /metrics; every request on the
-    proxy port, whatever its path, is forwarded (so /health and /metrics reach the model's server)."""
+    proxy port, whatever its path, is forwarded (so /health reaches the model's server, and /metrics too where the
+    server answers it on its API's port: not with --prometheus-port, which the operator renders)."""
 
     def __init__(self, activator: Activator, admin_port: int):
         self.activator = activator

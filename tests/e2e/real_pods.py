@@ -58,12 +58,15 @@ import json, os, sys, urllib.error, urllib.request
 base = os.environ["BASE"]
 for path, body in json.loads(os.environ["REQUESTS"]):
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    url = path if path.startswith("http://") else base + path  # a full URL: another address (a pod's port)
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             status, raw = r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         status, raw = e.code, e.read().decode()
+    except OSError as e:  # no answer (refused, unreachable): said, and the next call made
+        status, raw = 0, repr(e)
     try:
         out = json.loads(raw)
     except ValueError:

@@ -14,6 +14,7 @@ import time
 import pytest
 from kubernetes.client.rest import ApiException
 
+from embedops_operator import render as R
 from localcluster import monitoring
 from localcluster.workloads import prerequisites
 from tests.e2e.conftest import REPO, wait_for
@@ -216,9 +217,18 @@ def test_network_policy_admits_its_namespace_prometheus_and_listed_namespaces_on
         print(f"listed: {admitted}; unlisted: {still_refused}")
         assert admitted["result"] == "reached", admitted
         assert still_refused["result"] == "refused", still_refused
-        # Prometheus, in its own namespace, scrapes through the policy (a scrape after the change)
+        # the metrics' own port (template revision 7): a namespace admitted to the API never gets through to it
+        # in 8 s of attempts (a new pod's first refusals are the policy learning its address: not enough)
+        pod_ip = svc.pods(NAME)[0].status.pod_ip
+        metrics = _probe(svc, real, listed, "probe-listed-metrics", f"http://{pod_ip}:{R.METRICS_PORT}/metrics",
+                         "reached", seconds=8)
+        print(f"listed namespace to the metrics port: {metrics}")
+        assert metrics["result"] == "refused" and metrics["attempts"] >= 5, metrics
+        # Prometheus, in its own namespace, scrapes through the policy (a scrape after the change), on the
+        # pods' metrics port, where the ServiceMonitor's relabelling sends it
         since = time.time()
-        _series(stack, f'timestamp(up{{namespace="{ns}",service="{NAME}"}} == 1) > {since}', timeout=60)
+        _series(stack, f'timestamp(up{{namespace="{ns}",service="{NAME}",instance=~".+:{R.METRICS_PORT}"}} == 1) '
+                       f'> {since}', timeout=60)
 
         svc.co.patch_namespaced_custom_object("embedops.dev", "v1alpha1", ns, "embeddingservices", NAME, {
             "spec": {"networkPolicy": {"enabled": False}}})

@@ -9,7 +9,7 @@ package refuses (``EMBEDOPS_REQUIRE_REAL_NODE=1`` makes that a failure). On anot
 What a platform engineer's first ``kubectl apply`` exercises, each checked for real: the image's entry point
 under the rendered security context, the probes as a kubelet runs them, Service routing and cluster DNS, the
 PVC mount, a rollout and pod loss under load (the preStop delay and the server's drain), the operator as a
-pod installed by its Helm chart with in-cluster credentials, and /metrics through the ServiceMonitor's port.
+pod installed by its Helm chart with in-cluster credentials, and /metrics on the pod's metrics port (not the API's).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from embedops_operator import render as R
 from embedops_server.sizing import parse_quantity
 from localcluster.models import DEFAULT_MODELS_HOSTPATH, MINILM, RERANKER, prepare_models
 from localcluster.workloads import REAL_NODE_TOLERATIONS, for_real_node, prerequisites
@@ -194,12 +195,21 @@ def test_in_cluster_client_gets_sentence_transformers_vectors(kube, real, ns, sv
     # the batch lane's address first (spec.lanes.batchService): the same pod, requests there in the batch lane
     (batch,) = run_client(svc.core, ns, "client-embed-batch", real.server_image, service_url(f"{name}-batch", ns),
                           [["/embed", {"inputs": TEXTS}]], real.node_selector)
+    (pod,) = svc.pods(name)
     answers = run_client(svc.core, ns, "client-embed", real.server_image, base, [
         ["/v1/embeddings", {"model": "all-MiniLM-L6-v2", "input": TEXTS}],
         ["/embed", {"inputs": TEXTS}],
+        [f"http://{pod.status.pod_ip}:{R.METRICS_PORT}/metrics", None],
         ["/metrics", None],
     ], real.node_selector)
-    assert [a["status"] for a in answers] == [200, 200, 200], answers
+    # the metrics on the pod's own metrics port (template revision 7), where the ServiceMonitor's relabelling
+    # sends Prometheus: the example's NetworkPolicy admits only Prometheus' namespace there, so this client of
+    # the service, admitted to its API, is refused; and the service's address does not give them
+    assert [a["status"] for a in answers] == [200, 200, 0, 404], [(a["path"], a["status"]) for a in answers]
+    assert "Connection refused" in answers[2]["body"], answers[2]
+    metrics = exec_in(kube, ns, pod.metadata.name, ["python3", "-c", (
+        "import urllib.request\n"
+        f"print(urllib.request.urlopen('http://127.0.0.1:{R.METRICS_PORT}/metrics', timeout=10).read().decode())")])
     openai = [d["embedding"] for d in sorted(answers[0]["body"]["data"], key=lambda d: d["index"])]
     tei = answers[1]["body"]
     from sentence_transformers import SentenceTransformer
@@ -208,8 +218,6 @@ def test_in_cluster_client_gets_sentence_transformers_vectors(kube, real, ns, sv
     worst = min(min(cos(a, r), cos(b, r)) for a, b, r in zip(openai, tei, ref.tolist()))
     print(f"in-cluster /v1/embeddings and /embed vs sentence-transformers: min cosine {worst:.6f}")
     assert worst >= 0.9999
-    # /metrics scraped from inside the cluster through the Service port the ServiceMonitor names
-    metrics = answers[2]["body"]
     assert "te_request_count" in metrics and "te_embed_success" in metrics
     assert batch["status"] == 200  # one model, one space behind both addresses:
     assert min(cos(a, b) for a, b in zip(batch["body"], tei)) >= 0.9999

@@ -30,7 +30,7 @@ def test_without_lanes_nothing_changes():
     objs = rendered(None)
     args = server(objs)["args"]
     assert not {"--lanes", "--default-lane", "--batch-port"} & set(args)
-    assert [p["name"] for p in server(objs)["ports"]] == ["http"]
+    assert [p["name"] for p in server(objs)["ports"]] == ["http", "metrics"]  # the metrics port is revision 7's, lanes or not
     assert ("Service", "svc-batch") not in objs
     # an empty lanes: the server's defaults, nothing rendered either
     assert server(rendered({}))["args"] == args
@@ -63,9 +63,9 @@ def test_the_batch_service_is_the_serving_tracks_pods_on_their_batch_port():
 
 def test_the_network_policy_admits_the_batch_port():
     objs = rendered({"batchService": True}, networkPolicy={})
-    (rule,) = objs[("NetworkPolicy", "svc")]["spec"]["ingress"]
+    rule, _ = objs[("NetworkPolicy", "svc")]["spec"]["ingress"]
     assert {p["port"] for p in rule["ports"]} == {R.SERVER_PORT, R.BATCH_PORT}
-    (rule,) = rendered(None, networkPolicy={})[("NetworkPolicy", "svc")]["spec"]["ingress"]
+    rule, _ = rendered(None, networkPolicy={})[("NetworkPolicy", "svc")]["spec"]["ingress"]
     assert {p["port"] for p in rule["ports"]} == {R.SERVER_PORT}
 
 

@@ -22,6 +22,16 @@ class FakeController:
     def cached(self):
         return {"EmbeddingService": (2, 3000), "Pod": (3, 4500)}
 
+    versions = {"bge": ("1", ("p1", "p2", "p3")), "plain": ("1", ())}
+    loads: list[str] = []
+
+    def service_states(self):
+        def load(es):
+            self.loads.append(es["metadata"]["name"])
+            return es, self.pods_of("ml", es["metadata"]["name"])
+        return [(("ml", es["metadata"]["name"]), self.versions[es["metadata"]["name"]], lambda es=es: load(es))
+                for es in self.services()]
+
     def pods_of(self, ns, name):
         if name != "bge":
             return []
@@ -62,6 +72,23 @@ def test_services_conditions_replicas_restarts_and_budget_come_from_the_controll
     assert got[("embedops_operator_leader", ())] == 1
     # every result is there from the start, at 0 or more
     assert all(("embedops_operator_reconciles_total", (("result", r),)) in got for r in ("ok", "retry", "error"))
+
+
+def test_a_scrape_decodes_only_the_services_that_changed_since_the_last():
+    """Issue 58: every scrape decoded every cached EmbeddingService and its Pods (about a second of CPU at 5,000
+    services); their figures are kept by the resourceVersions they came from."""
+    c = FakeController()
+    c.loads, c.versions = [], dict(FakeController.versions)
+    metrics.watch(c)
+    try:
+        first = samples()
+        assert sorted(c.loads) == ["bge", "plain"]
+        assert samples() == first and sorted(c.loads) == ["bge", "plain"]  # nothing decoded again
+        c.versions["bge"] = ("1", ("p1", "p2", "p4"))  # one of its Pods changed
+        samples()
+        assert sorted(c.loads) == ["bge", "bge", "plain"]
+    finally:
+        metrics.unwatch(c)
 
 
 def test_a_stopped_controller_is_not_reported():

@@ -50,32 +50,40 @@ def test_own_namespace_prometheus_and_listed_namespaces_on_the_server_port():
     assert p["spec"]["policyTypes"] == ["Ingress"]  # egress untouched: the download step reaches the Hub
     # every track's model pods and the activator carry the service label; nothing else of the operator's does
     assert p["spec"]["podSelector"] == {"matchLabels": {R.LABEL_SERVICE: "svc"}}
-    (rule,) = p["spec"]["ingress"]
+    rule, metrics = p["spec"]["ingress"]
     assert rule["ports"] == [{"protocol": "TCP", "port": R.SERVER_PORT}]
     same, others = rule["from"]
     assert same == {"podSelector": {}}
     # the ServiceMonitor is on by default: Prometheus' namespace; no gateway route: not the gateway's
     assert namespaces(others) == ["litellm", "monitoring", "rag-jobs"]
+    # the metrics' own port (template revision 7): Prometheus' namespace only, not the API's clients
+    assert metrics["ports"] == [{"protocol": "TCP", "port": R.METRICS_PORT}]
+    (prometheus,) = metrics["from"]
+    assert namespaces(prometheus) == ["monitoring"]
 
 
 def test_gateway_namespaces_only_with_a_route_and_prometheus_only_with_a_service_monitor():
     spec = with_policy()
     spec["gateway"] = {"parentRefs": [{"name": "public", "namespace": "edge"}], "allowUnauthenticated": True}
     spec["monitoring"] = {"serviceMonitor": {"enabled": False}}
-    (rule,) = policy(spec)["spec"]["ingress"]
+    rule, metrics = policy(spec)["spec"]["ingress"]
     assert namespaces(rule["from"][1]) == ["gateway"]
+    assert metrics["from"] == rule["from"]  # no ServiceMonitor: whoever reaches the API, as on its port before
     spec.pop("gateway")
-    (rule,) = policy(spec)["spec"]["ingress"]
+    rule, _ = policy(spec)["spec"]["ingress"]
     assert rule["from"] == [{"podSelector": {}}]  # nothing from outside the namespace
+    # an operator that knows no Prometheus namespace: the metrics port as the API's
+    rule, metrics = policy(with_policy(), R.Options())["spec"]["ingress"]
+    assert metrics == {"from": rule["from"], "ports": [{"protocol": "TCP", "port": R.METRICS_PORT}]}
 
 
 def test_the_own_namespace_is_not_listed_twice():
-    (rule,) = policy(with_policy(fromNamespaces=["ml"]))["spec"]["ingress"]
+    rule, _ = policy(with_policy(fromNamespaces=["ml"]))["spec"]["ingress"]
     assert namespaces(rule["from"][1]) == ["monitoring"]
 
 
 def test_without_the_same_namespace_only_the_activator_and_reindex_jobs_from_it():
-    (rule,) = policy(with_policy(allowSameNamespace=False, fromNamespaces=["ml"]))["spec"]["ingress"]
+    rule, _ = policy(with_policy(allowSameNamespace=False, fromNamespaces=["ml"]))["spec"]["ingress"]
     activator, reindex, outside = rule["from"]
     assert activator == {"podSelector": {"matchLabels": R.activator_selector("svc")}}
     assert reindex == {"podSelector": {"matchLabels": {R.LABEL_COMPONENT: "reindex"},
@@ -104,7 +112,7 @@ def test_keda_reaches_the_activators_admin_port_when_the_service_scales_to_zero(
     assert activator["spec"]["template"]["metadata"]["labels"][R.LABEL_SERVICE] == "svc"
     assert R.ACTIVATOR_PORT == R.SERVER_PORT
     spec["autoscaling"]["minReplicas"] = 1
-    assert len(policy(spec)["spec"]["ingress"]) == 1
+    assert [r["ports"][0]["port"] for r in policy(spec)["spec"]["ingress"]] == [R.SERVER_PORT, R.METRICS_PORT]
 
 
 def test_the_policy_goes_in_before_any_service_publishes_the_pods():
@@ -158,7 +166,7 @@ def test_the_charts_reserved_labels_are_the_ones_the_policy_admits():
     """The chart's admission policy reserves exactly the labels that admit a pod beside the service's own (issue 53):
     if the NetworkPolicy's peers change, the reserved pair must change with them."""
     chart = (REPO / "charts" / "embedops-operator" / "templates" / "admission-policy.yaml").read_text()
-    (rule,) = policy(with_policy(allowSameNamespace=False))["spec"]["ingress"]
+    rule, _ = policy(with_policy(allowSameNamespace=False))["spec"]["ingress"]
     activator, reindex = rule["from"][:2]
     (name_key, name), = [(k, v) for k, v in activator["podSelector"]["matchLabels"].items()
                          if k == "app.kubernetes.io/name"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import subprocess
 import sys
 
@@ -104,7 +105,12 @@ def test_every_pod_is_hardened_probed_and_drains(spec):
     c, pod = container(out), pod_spec(out)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
-    assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    # the API, and the metrics on a port of their own (template revision 7): the API's clients cannot read them
+    assert c["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"},
+                          {"name": "metrics", "containerPort": R.METRICS_PORT, "protocol": "TCP"}]
+    assert c["args"][c["args"].index("--prometheus-port") + 1] == str(R.METRICS_PORT)
+    template = by_kind(out)["Deployment"]["spec"]["template"]
+    assert template["metadata"]["annotations"] == {R.ANNOTATION_METRICS_PORT: str(R.METRICS_PORT)}
     assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 15}}
     assert pod["terminationGracePeriodSeconds"] >= 15 + 30
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -205,7 +211,8 @@ def test_pod_overrides():
     assert pod["tolerations"] == [{"key": "batch", "operator": "Exists"}]
     assert pod["affinity"] == {"nodeAffinity": {}} and pod["priorityClassName"] == "batch-low"
     assert pod["serviceAccountName"] == "emb" and pod["imagePullSecrets"] == [{"name": "pull"}]
-    assert by_kind(out)["Deployment"]["spec"]["template"]["metadata"]["annotations"] == {"a": "b"}
+    assert by_kind(out)["Deployment"]["spec"]["template"]["metadata"]["annotations"] == {
+        "a": "b", R.ANNOTATION_METRICS_PORT: str(R.METRICS_PORT)}
     assert c["lifecycle"]["preStop"]["sleep"]["seconds"] == 40 and pod["terminationGracePeriodSeconds"] == 70
 
 
@@ -235,8 +242,22 @@ def test_service_monitor_options():
     spec["monitoring"] = {"serviceMonitor": {"interval": "15s", "labels": {"release": "kps"}}}
     sm = by_kind(render(spec))["ServiceMonitor"]
     assert sm["metadata"]["labels"]["release"] == "kps"
-    assert sm["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s", "relabelings": [
-        {"action": "replace", "targetLabel": "service", "replacement": "svc"}]}]
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert {k: endpoint[k] for k in ("port", "path", "interval")} == {"port": "http", "path": "/metrics",
+                                                                      "interval": "15s"}
+    to_port, service_label = endpoint["relabelings"]
+    assert service_label == {"action": "replace", "targetLabel": "service", "replacement": "svc"}
+    # Prometheus' replace (an anchored regex over the source labels joined by ";"): a pod that names its metrics
+    # port in the annotation is scraped there, IPv6 too; an older pod (no annotation) on the API's port
+    assert to_port["sourceLabels"] == ["__address__", "__meta_kubernetes_pod_annotation_embedops_dev_metrics_port"]
+    assert to_port["targetLabel"] == "__address__" and to_port["action"] == "replace"
+
+    def scraped(address: str, annotation: str) -> str:
+        m = re.fullmatch(to_port["regex"], f"{address};{annotation}")
+        return re.sub(r"\$(\d)", lambda g: m.group(int(g.group(1))), to_port["replacement"]) if m else address
+    assert scraped("10.1.2.3:8080", "9000") == "10.1.2.3:9000"
+    assert scraped("[fd00::12]:8080", "9000") == "[fd00::12]:9000"
+    assert scraped("10.1.2.3:8080", "") == "10.1.2.3:8080"
     assert sm["spec"]["namespaceSelector"] == {"matchNames": ["ml"]}
     spec["monitoring"]["serviceMonitor"]["enabled"] = False
     assert "ServiceMonitor" not in by_kind(render(spec))
@@ -334,8 +355,8 @@ def test_scale_to_zero_puts_the_activator_at_the_services_address():
     sel = sm["spec"]["selector"]["matchLabels"]
     assert all(backend["metadata"]["labels"].get(k) == v for k, v in sel.items())
     assert not all(front["metadata"]["labels"].get(k) == v for k, v in sel.items())
-    assert sm["spec"]["endpoints"][0]["relabelings"] == [
-        {"action": "replace", "targetLabel": "service", "replacement": "emb"}]
+    assert sm["spec"]["endpoints"][0]["relabelings"][-1] == {
+        "action": "replace", "targetLabel": "service", "replacement": "emb"}
     # the same ServiceMonitor with or without the activator: switching to zero leaves Prometheus' config alone
     spec["autoscaling"]["minReplicas"] = 1
     assert by_kind(render(spec, name="emb", namespace="ml"))["ServiceMonitor"] == sm

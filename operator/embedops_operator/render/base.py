@@ -14,6 +14,11 @@ from ..spec import EmbeddingServiceSpec, ModelSpec
 MANAGER = "embedops"
 SERVER_PORT = 8080
 BATCH_PORT = 8081  # the server's --batch-port (spec.lanes.batchService): the same API, batch lane by default
+# The server's --prometheus-port (TEI's default port for it; template revision 7): /metrics there and not on the
+# API's port, so the service's clients cannot read it. The pod names it in this annotation, which the
+# ServiceMonitor's relabelling turns into the scrape address (pods of older revisions serve /metrics on the API's)
+METRICS_PORT = 9000
+ANNOTATION_METRICS_PORT = "embedops.dev/metrics-port"
 GRACE_MARGIN = 30  # seconds of the grace period left for the server to finish after the preStop sleep
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_NAME = "app.kubernetes.io/name"
@@ -83,6 +88,8 @@ TEMPLATE_REVISIONS = {
        "from the track's `<track>-model-commit` ConfigMap (optional), the commit its first replica resolved",
     6: "the CPU memory estimate counts an embedder's /embed_all answers: the server holds at most two answers of "
        "every token's state at once, of at most 8192 tokens each (memory.TOKEN_ANSWERS_REVISION)",
+    7: "the server serves /metrics on METRICS_PORT (--prometheus-port 9000, a container port `metrics`) and not on "
+       "the API's port; the pod's annotation embedops.dev/metrics-port says where the ServiceMonitor scrapes it",
 }
 TEMPLATE_REVISION = max(TEMPLATE_REVISIONS)
 ANNOTATION_TEMPLATE_REVISION = "embedops.dev/template-revision"

@@ -4,8 +4,8 @@ from __future__ import annotations
 from ..spec import EmbeddingServiceSpec
 from .activator import ACTIVATOR_ADMIN_PORT, activator_selector
 from .base import (
-    BATCH_PORT, LABEL_COMPONENT, LABEL_SERVICE, LABEL_SPACE, NETWORKPOLICY, SERVER_PORT, Options, common_labels, detect_task,
-    has_batch_service, object_meta)
+    BATCH_PORT, LABEL_COMPONENT, LABEL_SERVICE, LABEL_SPACE, METRICS_PORT, NETWORKPOLICY, SERVER_PORT, Options,
+    common_labels, detect_task, has_batch_service, object_meta)
 
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set on every namespace by the API server (1.22+)
 
@@ -48,7 +48,8 @@ def network_policy(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict |
         names.discard(ns)  # already admitted, every pod of it
     if names:
         peers.append(_from_namespaces(names))
-    # the model server and the activator both serve the API on SERVER_PORT (== ACTIVATOR_PORT), and /metrics there
+    # the model server and the activator both serve the API on SERVER_PORT (== ACTIVATOR_PORT); servers of template
+    # revisions before 7 and the activator /metrics there too
     ports = [{"protocol": "TCP", "port": SERVER_PORT}]
     if has_batch_service(spec):  # the batch lane's address (lanes.batchService)
         ports.append({"protocol": "TCP", "port": BATCH_PORT})
@@ -57,6 +58,11 @@ def network_policy(name: str, ns: str, spec: EmbeddingServiceSpec, owner: dict |
     if a is not None and a.min_replicas == 0 and options.keda_namespaces:
         rules.append({"from": [_from_namespaces(options.keda_namespaces)],
                       "ports": [{"protocol": "TCP", "port": ACTIVATOR_ADMIN_PORT}]})
+    # /metrics on its own port (template revision 7): Prometheus' namespaces only when the operator knows them
+    # (the chart's networkPolicy.prometheusNamespaces), else whoever reaches the API (as on the API's port before)
+    prometheus = sorted(options.prometheus_namespaces) if spec.monitoring.service_monitor.enabled else []
+    rules.append({"from": [_from_namespaces(prometheus)] if prometheus else peers,
+                  "ports": [{"protocol": "TCP", "port": METRICS_PORT}]})
     return {"apiVersion": NETWORKPOLICY[0], "kind": NETWORKPOLICY[1],
             "metadata": object_meta(name, ns, common_labels(name, detect_task(spec.model)), owner),
 

@@ -10,7 +10,7 @@ from embedops_server import sizing
 from .. import memory
 from ..spec import GFD_PRODUCT, NFD_CPUID, EmbeddingServiceSpec
 from .base import (
-    BATCH_PORT, GRACE_MARGIN, SERVER_PORT, TEMPLATE_REVISION, Options, Pin, detect_task, dtype, has_batch_service,
+    ANNOTATION_METRICS_PORT, BATCH_PORT, GRACE_MARGIN, METRICS_PORT, SERVER_PORT, TEMPLATE_REVISION, Options, Pin, detect_task, dtype, has_batch_service,
     selector_labels, served_model_name, track_labels)
 
 
@@ -106,6 +106,8 @@ def _args(spec: EmbeddingServiceSpec, revision: int = TEMPLATE_REVISION) -> list
         args += ["--default-prompt", m.prompts.default_prompt]
     if m.outputs:  # a folder without the heads fails at start (a crash-looping pod), not per request (424)
         args += ["--outputs", ",".join(o for o in ("dense", "sparse", "colbert") if o in m.outputs)]
+    if revision >= 7:  # the metrics on a port of their own: the API's clients cannot read them
+        args += ["--prometheus-port", str(METRICS_PORT)]
     args.append("--json-output")
     return args
 
@@ -268,7 +270,8 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: P
         "args": _args(spec, revision),
         "env": server_env,
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}] + (
-            [{"name": "batch", "containerPort": BATCH_PORT, "protocol": "TCP"}] if batch_port(spec, revision) else []),
+            [{"name": "batch", "containerPort": BATCH_PORT, "protocol": "TCP"}] if batch_port(spec, revision) else []) + (
+            [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}] if revision >= 7 else []),
         "resources": _resources(spec, est),
         "startupProbe": _probe(period=5, failures=120),  # up to 10 minutes to load weights
         "readinessProbe": _probe(period=5, failures=2),
@@ -321,8 +324,11 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: P
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
     metadata: dict[str, Any] = {"labels": track_labels(service_name or name, name, task)}
-    if spec.pod_annotations:
-        metadata["annotations"] = dict(sorted(spec.pod_annotations.items()))
+    annotations = dict(spec.pod_annotations or {})
+    if revision >= 7:  # where the ServiceMonitor scrapes this pod (render/monitoring.py)
+        annotations[ANNOTATION_METRICS_PORT] = str(METRICS_PORT)
+    if annotations:
+        metadata["annotations"] = dict(sorted(annotations.items()))
     return {"metadata": metadata, "spec": pod_spec}
 
 

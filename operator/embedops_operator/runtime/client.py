@@ -125,6 +125,34 @@ class ApiHealth:
                                          outage, failures, "".join(f"; {d}" for d in done))
 
 
+class TokenBucket:
+    """A client-side bound on the request rate, as client-go's (--kube-api-qps and --kube-api-burst of the
+    controller manager): `qps` requests a second on average, up to `burst` at once. `take()` reserves the next
+    slot and sleeps until it comes (the callers are worker threads), returning the seconds waited; a fleet's
+    roll-out then queues here instead of crowding everyone else's calls at the API server."""
+
+    def __init__(self, qps: float, burst: int, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
+        if qps <= 0:
+            raise ValueError(f"qps must be above 0, not {qps}")
+        self.qps, self.burst = float(qps), max(1, int(burst))
+        self.clock, self.sleep = clock, sleep
+        self._tokens = float(self.burst)
+        self._at = clock()
+        self._lock = threading.Lock()
+
+    def take(self) -> float:
+        with self._lock:
+            now = self.clock()
+            self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.qps)
+            self._at = now
+            self._tokens -= 1.0  # reserved even when none is left: the debt is this caller's wait, in order
+            wait = -self._tokens / self.qps if self._tokens < 0 else 0.0
+        if wait > 0:
+            self.sleep(wait)
+        return wait
+
+
 class LeadershipLost(RuntimeError):
     """A write refused because this operator no longer holds the leader Lease (leader.Elector.holds)."""
 
@@ -145,6 +173,10 @@ class Client:
     on_request: Callable[[str, str], None] | None = None
     # With leader election: whether this process may write (leader.Elector.holds); None: it runs alone.
     fence: Callable[[], bool] | None = None
+    # the client-side rate bound (None: none); watches and /readyz probes are not counted against it
+    limiter: TokenBucket | None = None
+    # called with the seconds a request waited for the limiter (only when it waited)
+    on_throttle: Callable[[float], None] | None = None
 
     def __init__(self, api_client: k8s.ApiClient | None = None, capability_ttl: float = 10.0):
         if api_client is None:
@@ -186,7 +218,12 @@ class Client:
         verb = method
         if method == "GET":
             verb = "WATCH" if any(k == "watch" for k, _ in query or []) else read_verb(path)
-        elif self.fence is not None and not self.fence() and not any(k == "dryRun" for k, _ in query or []):
+        if self.limiter is not None and verb != "WATCH" and path != "/readyz":
+            waited = self.limiter.take()  # before the fence: leadership may be lost while waiting
+            if waited and self.on_throttle is not None:
+                self.on_throttle(waited)
+        if method != "GET" and self.fence is not None and not self.fence() and \
+                not any(k == "dryRun" for k, _ in query or []):
             raise LeadershipLost(f"not sent: {method} {path}: this operator no longer holds the leader Lease")
         with self._lock:
             self.requests[verb] += 1

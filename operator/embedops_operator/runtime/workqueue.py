@@ -4,9 +4,11 @@ by two threads.
 An event for a key that is already waiting merges into it (a full reconcile wins over a status-only one);
 an event for a key being worked on marks it to run again after. Failed keys come back after a backoff
 (0.5 s doubling to `max_backoff`), or at once with `retry_failed_now()` (the API server is back).
-With `coalesce` > 0 that run again waits `coalesce` seconds, merging every event meanwhile: a service whose
-spec changes many times a second is reconciled (its Deployment written) about once per window, not once per
-change, and the last change wins (fault test: 100 spec changes in 10 s). Both waits are entries of one
+With `coalesce` > 0 that run again waits `coalesce` seconds, merging every event meanwhile, and so does a full
+reconcile asked for within `coalesce` seconds after the end of one (a change that arrives between two runs, not
+during one: with runs quicker than the changes, most did): a service whose spec changes many times a second is
+reconciled (its Deployment written) about once per window, not once per change, and the last change wins (fault
+test: 100 spec changes in 10 s). A status-only run is never held back that way. Both waits are entries of one
 heap served by one thread (delayed.py), however many keys wait.
 """
 from __future__ import annotations
@@ -35,6 +37,8 @@ class WorkQueue:
         self.max_backoff = max_backoff
         self.coalesce = coalesce
         self._held: dict[Key, bool] = {}  # keys in their coalescing window
+        self._running_full: dict[Key, bool] = {}  # what each active key's run is
+        self._cool_until: dict[Key, float] = {}  # keys whose last full run ended less than `coalesce` ago
         self._since: dict[Key, float] = {}  # when each waiting key entered the queue
         self.observe_wait: Callable[[float], None] | None = None  # seconds a key waited, when a worker takes it
 
@@ -48,11 +52,23 @@ class WorkQueue:
                 self._held[key] = self._held[key] or full
             elif key in self._waiting:
                 self._waiting[key] = self._waiting[key] or full
+            elif full and self._cooling(key):
+                self._held[key] = True
+                self._delays.call_later(("release", key), self._cool_until[key] - time.monotonic(),
+                                        lambda: self._release(key))
             else:
                 self._waiting[key] = full
                 self._since[key] = time.monotonic()
                 self._order.append(key)
                 self._cond.notify()
+
+    def _cooling(self, key: Key) -> bool:
+        """Whether `key`'s last full run ended less than `coalesce` ago (callers hold the lock)."""
+        until = self._cool_until.get(key)
+        if until is not None and until <= time.monotonic():
+            del self._cool_until[key]
+            until = None
+        return until is not None
 
     def get(self, timeout: float | None = None) -> tuple[Key, bool] | None:
         """The next key and whether to apply children; None when closed (or after `timeout`)."""
@@ -69,6 +85,7 @@ class WorkQueue:
             full = self._waiting.pop(key)
             waited = time.monotonic() - self._since.pop(key, time.monotonic())
             self._active.add(key)
+            self._running_full[key] = full
         if self.observe_wait is not None:
             self.observe_wait(waited)
         return key, full
@@ -76,6 +93,8 @@ class WorkQueue:
     def done(self, key: Key, ok: bool = True) -> None:
         with self._cond:
             self._active.discard(key)
+            if self._running_full.pop(key, False) and ok and self.coalesce > 0:
+                self._cool_until[key] = time.monotonic() + self.coalesce
             if ok:
                 self._failures.pop(key, None)
             again = self._again.pop(key, None)
