@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -143,12 +142,7 @@ def image():
     archives.mkdir(parents=True, exist_ok=True)
 
     def context(ctx: Path) -> None:
-        (ctx / "wheels").mkdir()
-        for w in wheels.glob("*.whl"):
-            try:
-                os.link(w, ctx / "wheels" / w.name)
-            except OSError:
-                shutil.copy2(w, ctx / "wheels" / w.name)
+        images.link_wheels(wheels, ctx / "wheels")
         shutil.copy2(wheels / "requirements.txt", ctx / "requirements.txt")
         (ctx / "Containerfile").write_text(IMAGE_CONTAINERFILE)
 

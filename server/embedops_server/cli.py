@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         setup_logging(s)
         from .prepare import main as prepare_main
 
-        sys.exit(prepare_main(s))
+        sys.exit(prepare_main(s, Tuning.from_environment()))  # the switches, read once (checked by parse_args)
     s = parse_args(argv)
     setup_logging(s)
     # Settings' repr hides api_key; log it as a boolean only.
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
             "Server-Timing header and in the Prometheus metrics", s.otlp_endpoint)
     from .router.server import serve
 
-    serve(s)
+    serve(s, Tuning.from_environment())  # the EMBEDOPS_* switches, read once (checked by parse_args)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from .core.model_info import ModelError, load_model_info
-from .settings import Settings
+from .settings import Settings, Tuning
 
 log = logging.getLogger(__name__)
 PREPARED_FILE = "prepared.json"  # in the cache entry: what was prepared, when, at what cost
@@ -33,8 +33,10 @@ def runs_onnx(s: Settings) -> bool:
     return True
 
 
-def prepare(s: Settings) -> dict:
-    """Prepare the cache entry for ``s`` (the server's own settings) and return a summary."""
+def prepare(s: Settings, tuning: Tuning | None = None) -> dict:
+    """Prepare the cache entry for ``s`` (the server's own settings) and return a summary. ``tuning``: the
+    EMBEDOPS_* switches read at the start (default: the environment's now)."""
+    tuning = tuning if tuning is not None else Tuning()
     t0 = time.perf_counter()
     from .service import space_of
 
@@ -48,13 +50,13 @@ def prepare(s: Settings) -> dict:
     from .backends.onnx_export import cache_dir
     from .service import make_backend
 
-    entry = cache_dir(info, s.onnx_cache)
+    entry = cache_dir(info, s.onnx_cache or tuning.cache)
     tokenizer = Tokenizer.from_file(str(info.path / "tokenizer.json"))
     tokenizer.no_padding()
     tokenizer.no_truncation()
     # Two pods starting together on a shared cache: make_backend holds the entry's lock while it makes the files
     # (onnx_export.entry_lock), so one prepares and the other waits, then finds it all made.
-    backend = make_backend(s, info, tokenizer)
+    backend = make_backend(s, info, tokenizer, tuning)
     graph = Path(backend.model_path)
     summary.update({
         "prepared": backend.name, "cache_entry": str(entry), "graph": graph.name,
@@ -74,21 +76,23 @@ def prepare(s: Settings) -> dict:
     return summary
 
 
-def main(s: Settings) -> int:
+def main(s: Settings, tuning: Tuning | None = None) -> int:
     from .router.server import write_termination_message
 
+    tuning = tuning if tuning is not None else Tuning()
     try:
-        summary = prepare(s)
+        summary = prepare(s, tuning)
     except ModelError as e:
         log.error("prepare failed: %s", e)
-        write_termination_message(f"prepare failed: {e}")
+        write_termination_message(f"prepare failed: {e}", tuning.termination_log)
         return 3
     except Exception as e:  # noqa: BLE001 - out of memory, disk full: say so in the pod's status
         log.exception("prepare failed")
-        write_termination_message(f"prepare failed: {type(e).__name__}: {e}")
+        write_termination_message(f"prepare failed: {type(e).__name__}: {e}", tuning.termination_log)
         return 1
     log.info("prepared %s", json.dumps(summary))
     # the pod's status shows this (init container's termination message): what was made and at what cost
     write_termination_message("prepared " + json.dumps(
-        {k: summary.get(k) for k in ("commit", "space", "graph", "int8_cosine", "seconds", "peak_rss_mb")}))
+        {k: summary.get(k) for k in ("commit", "space", "graph", "int8_cosine", "seconds", "peak_rss_mb")}),
+        tuning.termination_log)
     return 0

@@ -14,7 +14,7 @@ from .core.model_info import (COLBERT, DENSE, EMBEDDER, HEAD_FILES, LEXICAL, NO_
                               load_model_info, no_onnx_without_torch, torch_installed)
 from .core.space import EmbeddingSpace, fingerprint
 from .core.tokenization import TokenizerPool
-from .settings import Settings
+from .settings import Settings, Tuning
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,11 @@ def _cuda_available() -> bool:
         return False
 
 
-def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
+def make_backend(s: Settings, info: ModelInfo, tokenizer, tuning: Tuning | None = None) -> Backend:
+    """The backend ``s`` asks for. ``tuning``: the EMBEDOPS_* switches the server read at its start (default: the
+    environment's now)."""
+    tuning = tuning if tuning is not None else Tuning()
+    cache = s.onnx_cache or tuning.cache
     device = s.device or ("cuda" if s.backend in ("auto", "torch") and _cuda_available() else "cpu")
     kind = s.backend
     if kind == "auto":
@@ -79,18 +83,18 @@ def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
         from .backends.torch_backend import TorchBackend
 
         # one forward at a time here (HybridBackend.parallel_forwards is 1): no side-by-side ORT session
-        with entry_lock(info, s.onnx_cache):
-            short = OrtBackend(info, threads=threads, cache=s.onnx_cache, tokenizer=tokenizer, parallel=False)
+        with entry_lock(info, cache):
+            short = OrtBackend(info, threads=threads, cache=cache, tokenizer=tokenizer, parallel=False, tuning=tuning)
         return HybridBackend(short, TorchBackend(info, dtype="float32", device="cpu", threads=threads,
-                                                 tokenizer=tokenizer))
+                                                 tokenizer=tokenizer, tuning=tuning))
     if kind in ("onnxruntime", "ort", "onnx"):  # float32 (or int8): Settings refuses another dtype with it
         from .backends.onnx_export import entry_lock
         from .backends.ort_backend import OrtBackend
 
         try:
-            with entry_lock(info, s.onnx_cache):
-                return OrtBackend(info, threads=threads, quantize=s.quantize, cache=s.onnx_cache,
-                                  int8_min_cosine=s.int8_min_cosine, tokenizer=tokenizer)
+            with entry_lock(info, cache):
+                return OrtBackend(info, threads=threads, quantize=s.quantize, cache=cache,
+                                  int8_min_cosine=s.int8_min_cosine, tokenizer=tokenizer, tuning=tuning)
         except Exception as e:
             # auto only: an architecture the exporter cannot handle still serves, on torch.
             if s.backend != "auto" or s.quantize or not info.has_torch_weights or not torch_installed():
@@ -106,7 +110,7 @@ def make_backend(s: Settings, info: ModelInfo, tokenizer) -> Backend:
 
     dtype = s.dtype or ("float16" if device.startswith("cuda") else "float32")
     return TorchBackend(info, dtype=dtype, device=device, threads=threads if device == "cpu" else None,
-                        tokenizer=tokenizer)
+                        tokenizer=tokenizer, tuning=tuning)
 
 
 def forward_tokens(s: Settings, backend: Backend) -> int | None:
@@ -166,7 +170,7 @@ def space_of(s: Settings, info: ModelInfo) -> EmbeddingSpace:
                        max_input_length=effective_max_input_length(s, info))
 
 
-def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
+def build_service(s: Settings, stats: EngineStats | None = None, tuning: Tuning | None = None) -> Service:
     t0 = time.perf_counter()
     info = load_model_info(s.model_id, s.pooling, s.model_revision, s.dense_path, s.huggingface_hub_cache, s.token)
     max_len = effective_max_input_length(s, info)
@@ -174,7 +178,7 @@ def build_service(s: Settings, stats: EngineStats | None = None) -> Service:
     space = space_of(s, info)
     workers = s.tokenization_workers or max(1, min(64, (os.cpu_count() or 2) - 1))
     tokenizers = TokenizerPool(str(info.path / "tokenizer.json"), workers)
-    backend = make_backend(s, info, tokenizers.tokenizer)
+    backend = make_backend(s, info, tokenizers.tokenizer, tuning)
     # what loading freed stays resident in glibc's heap otherwise (heap.py), under the warm-up's peak too
     released = heap.release_free_memory() or 0
     lanes = make_lanes(s, backend, tokenizers, max_len, stats)

@@ -185,6 +185,24 @@ def test_auto_on_cpu_serves_rerankers_with_onnxruntime(reranker_dir):
     assert make_backend(Settings(model_id=str(reranker_dir), device="cpu"), info, None).name == "onnxruntime"
 
 
+def test_the_server_reads_its_switches_once_and_hands_them_to_the_backend(reranker_dir, tmp_path, monkeypatch):
+    """Issue 55: `Tuning()` was read from the environment at five places; the server now reads it once at start
+    and passes that object on (the ONNX cache too: EMBEDOPS_CACHE read then, not when the backend is built)."""
+    from embedops_server.core.model_info import load_model_info
+    from embedops_server.service import make_backend
+    from embedops_server.settings import Tuning
+
+    tuning = Tuning(ort_parallel=False, cache=str(tmp_path / "cache"))
+    monkeypatch.setenv("EMBEDOPS_CACHE", str(tmp_path / "not-this-one"))
+    monkeypatch.delenv("ONNX_CACHE", raising=False)  # the suite's shared cache: --onnx-cache would win
+    info = load_model_info(str(reranker_dir), None, "main")
+    backend = make_backend(Settings(model_id=str(reranker_dir), device="cpu"), info, None, tuning)
+    assert backend.tuning is tuning
+    # the export went into the cache read at start
+    assert str(backend.model_path).startswith(str(tmp_path / "cache")), backend.model_path
+    assert not (tmp_path / "not-this-one").exists()
+
+
 def test_ort_spinning_session_for_tiny_forwards(monkeypatch):
     import numpy as np
 

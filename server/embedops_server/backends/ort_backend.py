@@ -61,11 +61,13 @@ class OrtBackend(Backend):
     PARALLEL_BATCH_TOKENS = 256
 
     def __init__(self, info: ModelInfo, threads: int | None = None, quantize: str | None = None,
-                 cache: str | None = None, int8_min_cosine: float = 0.98, tokenizer=None, parallel: bool = True):
+                 cache: str | None = None, int8_min_cosine: float = 0.98, tokenizer=None, parallel: bool = True,
+                 tuning: Tuning | None = None):
         import onnxruntime as ort
 
         self.info = info
-        self.tuning = Tuning()  # the EMBEDOPS_ORT_* switches, as the environment sets them now
+        # the EMBEDOPS_ORT_* switches: the server's, read once at its start; built alone, the environment's now
+        self.tuning = tuning if tuning is not None else Tuning()
         self.task = info.task
         self.pooling = info.pooling
         self.pad_id = int(info.config.get("pad_token_id") or 0)

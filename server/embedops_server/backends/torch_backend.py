@@ -69,10 +69,11 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, info: ModelInfo, dtype: str = "float32", device: str = "cpu", threads: int | None = None,
-                 tokenizer=None):
+                 tokenizer=None, tuning: Tuning | None = None):
         import torch
 
-        self.tuning = Tuning()  # the EMBEDOPS_* switches, as the environment sets them now
+        # the EMBEDOPS_* switches: the server's, read once at its start; built alone, the environment's now
+        self.tuning = tuning if tuning is not None else Tuning()
         if dtype not in _DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}")
         if device == "cpu" and dtype == "float16":

@@ -37,9 +37,12 @@ def _stats(st: AppState) -> EngineStats:
 
 
 def create_app(settings: Settings, service=None,
-               on_model_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_model_error: Callable[[BaseException], None] | None = None,
+               tuning: Tuning | None = None) -> FastAPI:
     """``on_model_error``: called (on the event loop) when the model cannot be loaded, for any reason; the CLI
-    exits non-zero then. Without it the app keeps answering 503 with the reason."""
+    exits non-zero then. Without it the app keeps answering 503 with the reason. ``tuning``: the EMBEDOPS_*
+    switches the server read at its start (default: the environment's now), for the routes and the backend."""
+    tuning = tuning if tuning is not None else Tuning()
     st = AppState(settings)
 
     @asynccontextmanager
@@ -51,7 +54,7 @@ def create_app(settings: Settings, service=None,
             # Load in the background so /health can answer 503 (not connection refused) while loading.
             async def load():
                 try:
-                    st.service = await asyncio.to_thread(build_service, settings, _stats(st))
+                    st.service = await asyncio.to_thread(build_service, settings, _stats(st), tuning)
                     log.info("model %s ready (%s, %s, %s) in %.1fs", settings.model_id, st.service.info.task,
                              st.service.backend.name, st.service.backend.dtype, st.service.load_seconds)
                 except ModelError as e:  # the folder cannot be served: one line says why, no traceback
@@ -158,7 +161,7 @@ def create_app(settings: Settings, service=None,
         })
 
     inner = app
-    if Tuning().fast_path:  # the embedding routes without FastAPI's machinery
+    if tuning.fast_path:  # the embedding routes without FastAPI's machinery
         inner = FastPath(app, settings.payload_limit)
     state = app.state.embedops
     outer = AfterResponseMiddleware(ConnectionCloseMiddleware(

@@ -84,7 +84,9 @@ def server_config(app, settings: Settings, **overrides) -> uvicorn.Config:
     return config
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: Settings, tuning: Tuning | None = None) -> None:
+    """Run the server until it is stopped. ``tuning``: the EMBEDOPS_* switches read once at the start."""
+    tuning = tuning if tuning is not None else Tuning()
     failed: list[BaseException] = []
     server: DrainingServer | None = None
 
@@ -93,7 +95,7 @@ def serve(settings: Settings) -> None:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(settings, on_model_error=model_error)
+    app = create_app(settings, on_model_error=model_error, tuning=tuning)
     server = DrainingServer(server_config(app, settings), app.fastapi.state.embedops)
     # the batch lane's own address (AppState.lane) and the metrics' (MetricsPortMiddleware): one server, more ports
     ports = [p for p in (settings.batch_port, settings.prometheus_port) if p]
@@ -104,5 +106,5 @@ def serve(settings: Settings) -> None:
     if failed:
         e = failed[0]
         write_termination_message(f"model loading failed: {e}" if isinstance(e, ModelError)
-                                  else f"model loading failed: {type(e).__name__}: {e}")
+                                  else f"model loading failed: {type(e).__name__}: {e}", tuning.termination_log)
         sys.exit(EXIT_MODEL_ERROR if isinstance(e, ModelError) else EXIT_LOAD_FAILED)
