@@ -564,7 +564,7 @@ class Cluster:
         runs them with leader election (the default) does: gone for longer than their renewDeadline (10 s), they
         exit and the kubelet starts them again. Here they run without it (--leader-elect=false) and would stay up
         with their informers in client-go's reflector back-off instead, acting on nothing new for up to a minute
-        after a 20 s outage (measured: a fleet's Deployments available 61 s after the API server was back, 3 s
+        after a 20 s outage (measured: a fleet's Deployments available 61 s after the API server was back, 15 s
         with this). Returns the seconds it took."""
         t0 = time.monotonic()
         names = [p["name"] for p in self.read_state().get("procs", [])

@@ -58,7 +58,7 @@ import time
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_REF = "localhost/embedops-base:bookworm-py3.11"
@@ -295,9 +295,14 @@ def _tag(name: str, wheels: Path, base_id: str, build_args: dict[str, str]) -> s
     h = hashlib.sha256(f"{name}\0{dockerfile}\0{sorted(build_args.items())}\0{base_id}\0{README_STANDIN}".encode())
     for rel, path in _context_files():
         h.update(f"{rel}\0".encode() + hashlib.sha256(path.read_bytes()).digest())
+    hash_wheels(h, wheels)
+    return h.hexdigest()[:12]
+
+
+def hash_wheels(h, wheels: Path) -> None:
+    """The wheelhouse in a build's tag: each wheel's name and size (its version and build are in its name)."""
     for w in sorted(wheels.glob("*.whl")):
         h.update(f"{w.name}\0{w.stat().st_size}\0".encode())
-    return h.hexdigest()[:12]
 
 
 def _make_context(ctx: Path, wheels: Path) -> None:
@@ -321,8 +326,9 @@ def link_wheels(wheels: Path, dest: Path) -> None:
 
 
 # The dependencies of an image in a venv of their own image, so that a source change (every commit) installs only
-# the project over them: the server image in 23 s instead of 83 (pip installed 81 wheels again; docs/images.md). The project's metadata
-# is installed without its code to resolve them as the Dockerfile's own `pip install ".[extra]"` does, then removed.
+# the project over them: the server image in 23 s instead of 83 (pip installed 81 wheels again; docs/images.md).
+# The project's metadata is installed without its code to resolve them as the Dockerfile's own
+# `pip install ".[extra]"` does, then removed.
 DEPS_CONTAINERFILE = """ARG BASE_IMAGE
 FROM ${BASE_IMAGE}
 ARG EXTRA
@@ -346,32 +352,19 @@ def deps_image(name: str, wheels: Path, base: str, torch_spec: str) -> str:
     h = hashlib.sha256(f"{DEPS_CONTAINERFILE}\0{extra}\0{torch_spec}\0{local_image_id(base) or base}\0"
                        f"{README_STANDIN}".encode())
     h.update((ROOT / "pyproject.toml").read_bytes())
-    for w in sorted(wheels.glob("*.whl")):
-        h.update(f"{w.name}\0{w.stat().st_size}\0".encode())
+    hash_wheels(h, wheels)
     ref = f"{DEPS_REPO}:{h.hexdigest()[:12]}-{name}"
+
+    def context(ctx: Path) -> None:
+        shutil.copy2(ROOT / "pyproject.toml", ctx / "pyproject.toml")
+        (ctx / "README.md").write_text(README_STANDIN)
+        (ctx / "Containerfile").write_text(DEPS_CONTAINERFILE)
+        link_wheels(wheels, ctx / "wheels")
     with build_lock(ref):
         if not local_image_id(ref):
-            t0 = time.time()
-            ctx = Path(tempfile.mkdtemp(prefix=f"ctx-deps-{name}-", dir=cache_root()))
-            try:
-                shutil.copy2(ROOT / "pyproject.toml", ctx / "pyproject.toml")
-                (ctx / "README.md").write_text(README_STANDIN)
-                (ctx / "Containerfile").write_text(DEPS_CONTAINERFILE)
-                link_wheels(wheels, ctx / "wheels")
-                log = cache_root() / "archives" / f"deps-{name}.build.log"
-                log.parent.mkdir(parents=True, exist_ok=True)
-                say(f"building {ref} (log {log})")
-                cmd = ["podman", "build", "--network=none", "--pull=never", "--layers=false", "--rm",
-                       "-f", str(ctx / "Containerfile"), "-t", ref, "--build-arg", f"BASE_IMAGE={base}",
-                       "--build-arg", f"EXTRA={extra}", "--build-arg", f"TORCH_SPEC={torch_spec}", str(ctx)]
-                with open(log, "w") as f:
-                    r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
-                if r.returncode != 0:
-                    raise RuntimeError(f"podman build of {ref} failed (rc {r.returncode}), log {log}:\n"
-                                       f"{log.read_text()[-6000:]}")
-            finally:
-                shutil.rmtree(ctx, ignore_errors=True)
-            say(f"built {ref} in {time.time() - t0:.0f}s")
+            podman_build(f"deps-{name}", ref, "Containerfile",
+                         {"BASE_IMAGE": base, "EXTRA": extra, "TORCH_SPEC": torch_spec}, context,
+                         cache_root() / "archives" / f"deps-{name}.build.log")
             _prune_deps(name, keep=ref)
     return ref
 
@@ -404,34 +397,39 @@ def _build_one(name: str, wheels: Path, base: str) -> Image:
     return img
 
 
+def podman_build(name: str, ref: str, dockerfile: str, args: dict[str, str], make_context: Callable[[Path], None],
+                 log: Path) -> None:
+    """``podman build`` of ``ref`` from a context ``make_context(folder)`` fills, its output in ``log``."""
+    t0 = time.time()
+    ctx = Path(tempfile.mkdtemp(prefix=f"ctx-{name}-", dir=cache_root()))
+    try:
+        make_context(ctx)
+        # no layer cache: a new tag means new sources, and cached stages would pile up as <none> images
+        cmd = ["podman", "build", "--network=none", "--pull=never", "--layers=false", "--rm",
+               "-f", str(ctx / dockerfile), "-t", ref]
+        for k, v in args.items():
+            cmd += ["--build-arg", f"{k}={v}"]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        say(f"building {ref} (log {log})")
+        with open(log, "w") as f:
+            r = subprocess.run([*cmd, str(ctx)], stdout=f, stderr=subprocess.STDOUT, text=True)
+        if r.returncode != 0:
+            tail = log.read_text()[-6000:]
+            raise RuntimeError(f"podman build of {ref} failed (rc {r.returncode}), log {log}:\n{tail}")
+    finally:
+        shutil.rmtree(ctx, ignore_errors=True)
+    say(f"built {ref} in {time.time() - t0:.0f}s")
+
+
 def build_locked(name: str, ref: str, dockerfile: str, args: dict[str, str], archive: Path,
                   wheels: Path | None, make_context=None) -> Image:
     built = False
     if not local_image_id(ref):
-        t0 = time.time()
-        ctx = Path(tempfile.mkdtemp(prefix=f"ctx-{name}-", dir=cache_root()))
-        try:
-            if make_context is not None:
-                make_context(ctx)
-            else:
-                assert wheels is not None
-                _make_context(ctx, wheels)
-            # no layer cache: a new tag means new sources, and cached stages would pile up as <none> images
-            cmd = ["podman", "build", "--network=none", "--pull=never", "--layers=false", "--rm",
-                   "-f", str(ctx / dockerfile), "-t", ref]
-            for k, v in args.items():
-                cmd += ["--build-arg", f"{k}={v}"]
-            log = archive.with_suffix(".build.log")
-            say(f"building {ref} (log {log})")
-            with open(log, "w") as f:
-                r = subprocess.run([*cmd, str(ctx)], stdout=f, stderr=subprocess.STDOUT, text=True)
-            if r.returncode != 0:
-                tail = log.read_text()[-6000:]
-                raise RuntimeError(f"podman build of {ref} failed (rc {r.returncode}), log {log}:\n{tail}")
-        finally:
-            shutil.rmtree(ctx, ignore_errors=True)
+        if make_context is None:
+            assert wheels is not None
+            make_context = lambda ctx: _make_context(ctx, wheels)  # noqa: E731
+        podman_build(name, ref, dockerfile, args, make_context, archive.with_suffix(".build.log"))
         built = True
-        say(f"built {ref} in {time.time() - t0:.0f}s")
     image_id = local_image_id(ref) or ""
     stamp = archive.with_suffix(".id")
     if not archive.exists() or not stamp.exists() or stamp.read_text() != image_id:

@@ -139,13 +139,13 @@ class Controller:
                 self._stop_kind(api_version, kind)
 
     # ------------------------------------------------------------------ events → keys
-    def _on_event(self, kind: str, etype: str, old: dict | None, new: dict | None) -> None:
-        meta = (new or old or {}).get("metadata") or {}
+    def _on_event(self, kind: str, etype: str, obj: dict) -> None:
+        meta = obj.get("metadata") or {}
         ns = meta.get("namespace") or ""
         if kind == spec.KIND:
             key = (ns, meta.get("name", ""))
             if etype == "DELETED":
-                self.tombstones[key] = old or {}
+                self.tombstones[key] = obj
             else:
                 self.tombstones.pop(key, None)
             self.queue.add(key, True)

@@ -141,7 +141,7 @@ def test_expired_watch_relists_without_losing_a_deletion(kube, env):
     k = A.Kube(kube.api_client())
     events: list = []
     inf = W.Informer("cm", k.lister("v1", "ConfigMap", NS, sel), k.watcher("v1", "ConfigMap", NS, sel),
-                     on_event=lambda t, old, new: events.append((t, (new or old)["metadata"]["name"])),
+                     on_event=lambda t, obj: events.append((t, obj["metadata"]["name"])),
                      watch_timeout=3)
     inf._list()
     assert sorted(events) == [("ADDED", "rv-gone"), ("ADDED", "rv-keep")]

@@ -65,7 +65,7 @@ def wait(cond, timeout=5.0):
 
 def informer(server, events):
     return W.Informer("svc", server.list_page, server.watch_stream,
-                      on_event=lambda t, old, new: events.append((t, (new or old)["metadata"]["name"])),
+                      on_event=lambda t, obj: events.append((t, obj["metadata"]["name"])),
                       max_backoff=0.05)
 
 

@@ -17,12 +17,13 @@ from .activator import (
     activator_service, backend_name, backend_service, scales_to_zero)
 from .autoscaling import hpa, scaled_object
 from .base import (
-    ANNOTATION_HASH, ANNOTATION_METRICS_PORT, ANNOTATION_SURGE_REFUSED, ANNOTATION_TEMPLATE_HASH, ANNOTATION_TEMPLATE_REVISION, BATCH_PORT,
-    FEATURE_OF_KIND, GRACE_MARGIN, HTTPROUTE, LABEL_COMPONENT, LABEL_INSTANCE, LABEL_LITELLM, LABEL_MANAGED_BY,
-    LABEL_NAME, LABEL_PART_OF, LABEL_SERVICE, LABEL_SPACE, MANAGER, METRICS_PORT, NETWORKPOLICY, OPTIONAL_KINDS, SCALEDOBJECT,
-    SERVER_PORT, SERVICEMONITOR, TEMPLATE_REVISION, TEMPLATE_REVISIONS, Options, Pin, Pins, Tracks, accelerator_summary,
-    autoscaler_kind, batch_service_name, common_labels, content_hash, detect_task, dtype, endpoints, has_batch_service,
-    object_meta, pinned, selector_labels, selector_string, served_model_name, service_url, track_labels)
+    ANNOTATION_HASH, ANNOTATION_METRICS_PORT, ANNOTATION_SURGE_REFUSED, ANNOTATION_TEMPLATE_HASH,
+    ANNOTATION_TEMPLATE_REVISION, BATCH_PORT, FEATURE_OF_KIND, GRACE_MARGIN, HTTPROUTE, LABEL_COMPONENT, LABEL_INSTANCE,
+    LABEL_LITELLM, LABEL_MANAGED_BY, LABEL_NAME, LABEL_PART_OF, LABEL_SERVICE, LABEL_SPACE, MANAGER, METRICS_PORT,
+    NETWORKPOLICY, OPTIONAL_KINDS, SCALEDOBJECT, SERVER_PORT, SERVICEMONITOR, TEMPLATE_REVISION, TEMPLATE_REVISIONS,
+    Options, Pin, Pins, Tracks, accelerator_summary, autoscaler_kind, batch_service_name, common_labels, content_hash,
+    detect_task, dtype, endpoints, has_batch_service, object_meta, pinned, selector_labels, selector_string,
+    served_model_name, service_url, track_labels)
 from .litellm_entries import litellm_config_map, litellm_key
 from .monitoring import service_monitor
 from .network_policy import NAMESPACE_NAME_LABEL, gateway_blocked, network_policy

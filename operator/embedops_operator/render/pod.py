@@ -10,8 +10,8 @@ from embedops_server import sizing
 from .. import memory
 from ..spec import GFD_PRODUCT, NFD_CPUID, EmbeddingServiceSpec
 from .base import (
-    ANNOTATION_METRICS_PORT, BATCH_PORT, GRACE_MARGIN, METRICS_PORT, SERVER_PORT, TEMPLATE_REVISION, Options, Pin, detect_task, dtype, has_batch_service,
-    selector_labels, served_model_name, track_labels)
+    ANNOTATION_METRICS_PORT, BATCH_PORT, GRACE_MARGIN, METRICS_PORT, SERVER_PORT, TEMPLATE_REVISION, Options, Pin,
+    detect_task, dtype, has_batch_service, selector_labels, served_model_name, track_labels)
 
 
 ONNX_CACHE = "/var/cache/embedops"  # the prepared ONNX graphs (model.cache, else an emptyDir per pod)
@@ -65,6 +65,11 @@ def batch_port(spec: EmbeddingServiceSpec, revision: int = TEMPLATE_REVISION) ->
     return revision >= 3 and has_batch_service(spec)
 
 
+def metrics_port(revision: int = TEMPLATE_REVISION) -> bool:
+    """Does the server answer /metrics on METRICS_PORT alone (the API's clients cannot read them)?"""
+    return revision >= 7
+
+
 def _args(spec: EmbeddingServiceSpec, revision: int = TEMPLATE_REVISION) -> list[str]:
     m, b = spec.model, spec.batching
     args = ["--model-id", m.id]
@@ -106,7 +111,7 @@ def _args(spec: EmbeddingServiceSpec, revision: int = TEMPLATE_REVISION) -> list
         args += ["--default-prompt", m.prompts.default_prompt]
     if m.outputs:  # a folder without the heads fails at start (a crash-looping pod), not per request (424)
         args += ["--outputs", ",".join(o for o in ("dense", "sparse", "colbert") if o in m.outputs)]
-    if revision >= 7:  # the metrics on a port of their own: the API's clients cannot read them
+    if metrics_port(revision):
         args += ["--prometheus-port", str(METRICS_PORT)]
     args.append("--json-output")
     return args
@@ -271,7 +276,8 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: P
         "env": server_env,
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}] + (
             [{"name": "batch", "containerPort": BATCH_PORT, "protocol": "TCP"}] if batch_port(spec, revision) else []) + (
-            [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}] if revision >= 7 else []),
+            [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}] if metrics_port(revision)
+            else []),
         "resources": _resources(spec, est),
         "startupProbe": _probe(period=5, failures=120),  # up to 10 minutes to load weights
         "readinessProbe": _probe(period=5, failures=2),
@@ -325,7 +331,7 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: P
         pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
     metadata: dict[str, Any] = {"labels": track_labels(service_name or name, name, task)}
     annotations = dict(spec.pod_annotations or {})
-    if revision >= 7:  # where the ServiceMonitor scrapes this pod (render/monitoring.py)
+    if metrics_port(revision):  # where the ServiceMonitor scrapes this pod (render/monitoring.py)
         annotations[ANNOTATION_METRICS_PORT] = str(METRICS_PORT)
     if annotations:
         metadata["annotations"] = dict(sorted(annotations.items()))

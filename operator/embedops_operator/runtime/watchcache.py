@@ -2,7 +2,8 @@
 
 An `Informer` lists a kind once, then watches from the list's resourceVersion with bookmarks, so at rest it
 sends one request per watch renewal (the server ends a watch after `timeoutSeconds`, 5-10 minutes here) and
-nothing else. Each change of the cache calls `on_event(type, old, new)` from the informer's thread.
+nothing else. Each change of the cache calls `on_event(type, obj)` from the informer's thread: the object as it
+is now, or as the cache last held it for DELETED (the version before a change is not decoded: nothing reads it).
 
 - A watch that ends (timeout, dropped connection) resumes from the last resourceVersion seen (bookmarks keep
   it fresh).
@@ -34,6 +35,7 @@ The transport is two callables (see `Client.lister` / `Client.watcher` in client
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import random
@@ -46,7 +48,7 @@ from typing import Callable, Iterable, Iterator
 log = logging.getLogger("embedops.watchcache")
 
 Key = tuple[str, str]  # (namespace, name)
-EventFn = Callable[[str, "dict | None", "dict | None"], None]
+EventFn = Callable[[str, dict], None]
 
 
 class Gone(Exception):
@@ -253,11 +255,11 @@ class Informer:
                 self._gone.popitem(last=False)
 
     # ------------------------------------------------------------------ applying changes
-    def _emit(self, etype: str, old: dict | None, new: dict | None) -> None:
+    def _emit(self, etype: str, obj: dict) -> None:
         if self.on_event is None:
             return
         try:
-            self.on_event(etype, old, new)
+            self.on_event(etype, obj)
         except Exception:  # noqa: BLE001 - a handler bug must not stop the cache
             log.exception("%s: event handler failed", self.name)
 
@@ -285,9 +287,9 @@ class Informer:
         if self.on_event is None:
             return
         if etype == "DELETED":
-            self._emit("DELETED", old.object() if old is not None else obj, None)
+            self._emit("DELETED", old.object() if old is not None else obj)
         else:
-            self._emit("ADDED" if old is None else "MODIFIED", old.object() if old is not None else None, obj)
+            self._emit("ADDED" if old is None else "MODIFIED", obj)
 
     def _replace(self, listed: Iterable[dict]) -> None:
         """A fresh listing: the cache becomes exactly it; the differences are delivered as events. `listed` is
@@ -309,13 +311,13 @@ class Informer:
             return
         for k, old in old_items.items():
             if k not in fresh:
-                self._emit("DELETED", old.object(), None)
+                self._emit("DELETED", old.object())
         for k, entry in fresh.items():
             old = old_items.get(k)
             if old is None:
-                self._emit("ADDED", None, entry.object())
+                self._emit("ADDED", entry.object())
             elif old.rv is None or entry.rv != old.rv:
-                self._emit("MODIFIED", old.object(), entry.object())
+                self._emit("MODIFIED", entry.object())
 
     # ------------------------------------------------------------------ the loop
     def start(self) -> "Informer":
@@ -349,11 +351,8 @@ class Informer:
                 yield from page
                 if not cont:
                     return
-        if self.list_gate is None:
+        with self.list_gate or contextlib.nullcontext():
             self._replace(pages())
-        else:
-            with self.list_gate:
-                self._replace(pages())
         self.lists += 1
         self._rv = listed["rv"]
         if self.waiting_reason:
