@@ -85,10 +85,41 @@ def waits_for_accelerator(pod: dict) -> bool:
     return unsched is not None and _short_of_accelerator(unsched[0])
 
 
+def _ended(cs: dict) -> dict:
+    """A container's termination that is its state now: terminated, or waiting to be restarted after it ({})."""
+    state = cs.get("state") or {}
+    why = (state.get("waiting") or {}).get("reason", "")
+    return state.get("terminated") or ((cs.get("lastState") or {}).get("terminated") if why == "CrashLoopBackOff"
+                                       else None) or {}
+
+
+def _down_after_a_long_run(ended: dict, now: dt.datetime, stall_after: float) -> float | None:
+    """For a container that ran at least `stall_after` before it ended (it served, then died: an OOM kill under a
+    burst, a node-level kill), ended less than `stall_after` ago: how long it has been down. The kubelet restarts it
+    (its first back-off is 10 s), so it is progress, not a failure, until it stays down that long or fails soon after
+    starting. None otherwise, and where the kubelet gave no times."""
+    if ended.get("reason") == "Completed":  # an init container's normal end
+        return None
+    started, finished = _parse_time(ended.get("startedAt")), _parse_time(ended.get("finishedAt"))
+    if started is None or finished is None or (finished - started).total_seconds() < stall_after:
+        return None
+    down = (now - finished).total_seconds()
+    return down if down < stall_after else None
+
+
 def stall_check_in(pods: list[dict], now: dt.datetime, stall_after: float) -> float | None:
-    """Seconds until the next unschedulable pod has waited `stall_after` (status must be recomputed then: no
-    event marks that moment); None when no pod is waiting to cross it."""
+    """Seconds until the next unschedulable pod has waited `stall_after`, or the next container that died after a
+    long run has been down that long (status must be recomputed then: no event marks that moment); None when no
+    pod is waiting to cross it."""
     waits = [stall_after - u[1] for u in (_unschedulable(p, now) for p in pods) if u and u[1] < stall_after]
+    for pod in pods:
+        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        st = pod.get("status") or {}
+        for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+            down = _down_after_a_long_run(_ended(cs), now, stall_after)
+            if down is not None:
+                waits.append(stall_after - down)
     return min(waits) if waits else None
 
 
@@ -127,9 +158,11 @@ def _pod_problem(pods: list[dict], now: dt.datetime, stall_after: float,
             if waiting.get("message"):
                 detail += f": {waiting['message']}"
             # health is now: a container that ended (or waits to be restarted after ending) is failing; one that
-            # runs again after an OOM kill is not (recovered() reports it), or one kill would hold the service down
-            ended = (cs.get("state") or {}).get("terminated") or (
-                (cs.get("lastState") or {}).get("terminated") if why == "CrashLoopBackOff" else None) or {}
+            # runs again after an OOM kill is not (recovered() reports it), or one kill would hold the service down.
+            # Nor is one the kubelet is restarting after a long run, until it stays down for stall_after
+            ended = _ended(cs)
+            if ended and _down_after_a_long_run(ended, now, stall_after) is not None:
+                continue
             if ended.get("reason") == "OOMKilled":
                 return "OOMKilled", (f"container {cs.get('name')} of pod {pod['metadata']['name']} was killed for "
                                      f"memory (OOMKilled, {cs.get('restartCount', 0)} restarts)"

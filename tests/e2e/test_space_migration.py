@@ -14,6 +14,7 @@ comes back on the old space at the address it had, and requests fail only until 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import pytest
 from localcluster.models import MINILM
 from localcluster.workloads import prerequisites
 from tests.e2e.conftest import GROUP, PLURAL, VERSION, wait_for
-from tests.e2e.real_pods import client_pod, exec_in, pod_log, run_client, wait_pod_phase
+from tests.e2e.real_pods import LOAD_CLIENT, client_pod, exec_in, pod_log, run_client, wait_pod_phase
 from tests.e2e.test_real_pods import (RealPods, _kubeconfig, example, kubectl, ns, on_real_node,  # noqa: F401
                                       real, service_url, svc, wait_ready)
 
@@ -95,9 +96,9 @@ def spaces_of(svc, name: str = NAME) -> dict:
     return {x["role"]: x for x in (svc.get(name).get("status") or {}).get("spaces") or []}
 
 
-def promote(svc, key: str) -> float:
+def promote(svc, key: str, name: str = NAME) -> float:
     at = time.time()
-    svc.co.patch_namespaced_custom_object(GROUP, VERSION, svc.ns, PLURAL, NAME, {"spec": {"migration": {"promote": key}}})
+    svc.co.patch_namespaced_custom_object(GROUP, VERSION, svc.ns, PLURAL, name, {"spec": {"migration": {"promote": key}}})
     return at
 
 
@@ -335,3 +336,143 @@ def test_a_branch_that_moves_never_reaches_a_running_space(kube, real, ns, svc):
     svc.delete(PINNED)
     import shutil
     shutil.rmtree(root, ignore_errors=True)
+
+
+# Open-loop load (queries arrive at their own pace, as users' do, whatever the answers' latency): a request of
+# $BODY to $URL every 1/$RATE s, each on a new connection in a thread of its own, until /tmp/stop or $MAX_SECONDS.
+# One line per answer: [time sent, status, space, seconds].
+OPEN_LOOP = r"""
+import json, os, threading, time, urllib.error, urllib.request
+url, body, rate = os.environ["URL"], os.environ["BODY"].encode(), float(os.environ["RATE"])
+t0, lock = time.time(), threading.Lock()
+def call(t):
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+            out = [round(t, 3), r.status, r.headers.get("embedding-space")]
+    except urllib.error.HTTPError as e:
+        out = [round(t, 3), e.code, None]
+    except Exception as e:
+        out = [round(t, 3), 0, f"{type(e).__name__}: {getattr(e, 'reason', e)}"]
+    with lock:
+        print(json.dumps(out + [round(time.time() - t, 3)]), flush=True)
+print("started", flush=True)
+sent = []
+while not os.path.exists("/tmp/stop") and time.time() - t0 < float(os.environ["MAX_SECONDS"]):
+    sent.append(threading.Thread(target=call, args=(time.time(),)))
+    sent[-1].start()
+    time.sleep(max(0.0, t0 + len(sent) / rate - time.time()))
+[t.join() for t in sent]  # the last answers (30 s at most: their timeout)
+"""
+PROMO = "promo"
+QUERY = {"inputs": [f"query {i}: which replica of the embedding space answers this question about migrations, "
+                    "promotions and the size of the track that serves the address under a steady load" * 2
+                    for i in range(4)]}   # 4 inputs: the interactive lane, refused only at the whole budget
+
+
+def _open_loop(svc, real, ns: str, pod: str, url: str, rate: float, seconds: float) -> None:
+    svc.core.create_namespaced_pod(ns, client_pod(pod, real.server_image, OPEN_LOOP, real.node_selector, {
+        "URL": url, "BODY": json.dumps(QUERY), "RATE": rate, "MAX_SECONDS": seconds}))
+    wait_for(lambda: "started" in pod_log(svc.core, ns, pod), timeout=120, what=f"{pod} started")
+
+
+def _answers(kube, svc, ns: str, pod: str, stop: bool = False) -> list[list]:
+    if stop:
+        exec_in(kube, ns, pod, ["python3", "-c", "open('/tmp/stop', 'w').close()"])
+    wait_pod_phase(svc.core, ns, pod, ("Succeeded",), timeout=120)
+    out = [json.loads(x) for x in svc.core.read_namespaced_pod_log(pod, ns).splitlines() if x.startswith("[")]
+    svc.core.delete_namespaced_pod(pod, ns, grace_period_seconds=0)
+    return out
+
+
+def _row(what: str, answers: list[list], rate: float) -> dict:
+    ok = sorted(a[3] for a in answers if a[1] == 200)
+    q = (lambda p: round(ok[min(len(ok) - 1, int(p * len(ok)))] * 1000) if ok else None)
+    return {"phase": what, "rate": rate, "sent": len(answers), "200": len(ok),
+            "429": sum(a[1] == 429 for a in answers), "5xx": sum(a[1] >= 500 for a in answers),
+            "no answer": sum(a[1] == 0 for a in answers), "p50 ms": q(0.5), "p99 ms": q(0.99)}
+
+
+@pytest.mark.opt_in
+@pytest.mark.skipif(os.environ.get("EMBEDOPS_E2E_PROMOTION_LOAD") != "1",
+                    reason="a measurement (~6 min on the real node): set EMBEDOPS_E2E_PROMOTION_LOAD=1")
+def test_a_promotion_under_a_load_that_needs_three_replicas_refuses_nothing(kube, real, ns, svc):
+    """Issue 52, "promotion at the serving size". An autoscaled service (minReplicas 1) whose autoscaler holds it
+    at 3 replicas (here: scaled by hand, as the HPA would under load; its metric is not served on this cluster, so
+    it leaves the size alone), each replica held to 0.3 core so that a replica's capacity is its own and not the
+    machine's. A query load of twice what one replica answers: one replica alone refuses it (429, measured here
+    first), three answer all of it. The model changes (a new space): the candidate starts at the serving size (3,
+    not minReplicas), and is promoted while the load runs: no request is refused or fails. The previous track keeps
+    its replicas for scaleDownPreviousAfterSeconds, then runs none."""
+    doc = on_real_node(example(), real)
+    doc["metadata"]["name"] = PROMO
+    spec = doc["spec"]
+    spec.pop("replicas", None)
+    spec["autoscaling"] = {"minReplicas": 1, "maxReplicas": 3, "provider": "hpa"}
+    spec["accelerator"]["cpu"]["memory"] = "1Gi"
+    spec["resources"] = {"requests": {"cpu": "100m"}, "limits": {"cpu": "300m"}}
+    spec["batching"] = {"maxBatchTokens": 8192, "maxClientBatchSize": 32, "maxConcurrentRequests": 256}
+    spec["migration"] = {"scaleDownPreviousAfterSeconds": 15}
+    prerequisites(kube, ns, [doc], host_path=real.models_hostpath)
+    svc.create(doc)
+    wait_ready(svc, PROMO, real, replicas=1)
+    svc.apps.patch_namespaced_deployment_scale(PROMO, ns, {"spec": {"replicas": 3}})
+    serving = wait_ready(svc, PROMO, real, replicas=3)
+    old = spaces_of(svc, PROMO)["serving"]
+    svc.co.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, PROMO, {"spec": {"model": {"pooling": "cls"}}})
+
+    def candidate_up():
+        c = spaces_of(svc, PROMO).get("candidate")
+        return c if c and c["ready"] == "3/3" and c.get("fingerprint") else None
+    cand = wait_for(candidate_up, timeout=420, what="the new space at the serving size (3 replicas) beside the old")
+    rows = []
+    # one replica's capacity, closed loop (6 clients back to back), then twice that, open loop, on that replica
+    one = f"http://{serving[0].status.pod_ip}:8080/embed"
+    svc.core.create_namespaced_pod(ns, client_pod("promo-capacity", real.server_image, LOAD_CLIENT, real.node_selector,
+                                                  {"URL": one, "THREADS": 6, "MAX_SECONDS": 15,
+                                                   "BODY": json.dumps(QUERY)}))
+    wait_pod_phase(svc.core, ns, "promo-capacity", ("Succeeded",), timeout=120)
+    cap = json.loads([x for x in svc.core.read_namespaced_pod_log("promo-capacity", ns).splitlines()
+                      if x.startswith("{")][-1])
+    svc.core.delete_namespaced_pod("promo-capacity", ns, grace_period_seconds=0)
+    capacity = cap["ok"] / cap["seconds"]
+    rate = round(2 * capacity, 1)
+    rows.append({"phase": "one replica, closed loop (6 clients): its capacity", "rate": round(capacity, 1),
+                 "sent": cap["ok"] + cap["failed"], "200": cap["ok"], "429": cap["failures"].get("HTTP 429", 0),
+                 "5xx": 0, "no answer": 0, "p50 ms": cap["p50_ms"], "p99 ms": cap["p99_ms"]})
+    _open_loop(svc, real, ns, "promo-one", one, rate, 20)
+    rows.append(_row("one replica, twice its capacity", _answers(kube, svc, ns, "promo-one"), rate))
+    time.sleep(5)   # its queue drains
+    # the same load on the service's address; promoted after 15 s, 20 s more
+    _open_loop(svc, real, ns, "promo-load", service_url(PROMO, ns) + "/embed", rate, 120)
+    time.sleep(15)
+    print(f"promotion under load: {rows}")
+    promoted = promote(svc, cand["key"], PROMO)
+    wait_for(lambda: spaces_of(svc, PROMO).get("serving", {}).get("key") == cand["key"], timeout=60, what="promoted")
+    time.sleep(20)
+    answers = _answers(kube, svc, ns, "promo-load", stop=True)
+    rows.append(_row("the service, 3 replicas, before the promotion", [a for a in answers if a[0] < promoted], rate))
+    rows.append(_row("the service, after the promotion", [a for a in answers if a[0] >= promoted], rate))
+    spaces = [a[2] for a in answers if a[1] == 200]
+    switched = next((a[0] for a in answers if a[1] == 200 and a[2] == cand["fingerprint"]), None)
+    cols = list(rows[0])
+    print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    print(f"one replica answers {capacity:.1f} queries/s of 4 inputs at 0.3 core; load {rate}/s; the new space's "
+          f"first answer {switched - promoted if switched else None:.2f} s after the promotion")
+    assert rows[1]["429"] > 0, rows   # the load needs more than one replica
+    assert all(r["429"] == r["5xx"] == r["no answer"] == 0 for r in rows[2:]), rows
+    assert spaces[-1] == cand["fingerprint"] and old["fingerprint"] in spaces, (old, cand)
+    # the previous track: every replica for scaleDownPreviousAfterSeconds after its retirement, then none
+    wait_for(lambda: (svc.apps.read_namespaced_deployment(PROMO, ns).spec.replicas == 0) or None, timeout=60,
+             what="the previous track scaled to zero")
+    scaled = [e for e in svc.core.list_namespaced_event(ns, field_selector=f"involvedObject.name={PROMO}").items
+              if e.reason == "PreviousScaled"]
+    assert scaled, "no PreviousScaled Event"
+    at = (scaled[0].event_time or scaled[0].last_timestamp or scaled[0].metadata.creation_timestamp).timestamp()
+    print(f"previous track scaled to 0 replicas {at - promoted:.0f} s after the promotion (set: 15 s): "
+          f"{scaled[0].message}")
+    assert 15 - 1 <= at - promoted <= 15 + 15, at - promoted
+    svc.delete(PROMO)

@@ -3,6 +3,7 @@ refusals, the prepare step's limit and the status; OOMKilled and the served comm
 from __future__ import annotations
 
 import copy
+import datetime as dt
 import json
 
 from embedops_operator import memory as M
@@ -321,3 +322,39 @@ def test_an_oom_kill_the_container_recovered_from_is_reported_not_stalled():
     server["state"] = {"terminated": {"reason": "OOMKilled", "exitCode": 137}}
     obs.pods = [_pod("p", ready=False, server=server)]
     assert conds(ST.compute(res, obs, R.Options(), now=NOW))["Stalled"] == ("True", "OOMKilled")
+
+
+def test_a_container_the_kubelet_restarts_after_a_long_run_is_progress_until_it_stays_down():
+    """Seen on the real node (tests/e2e/test_real_pods.py): one replica of two OOM-killed after serving made the
+    service Stalled (kstatus: Failed) for the 21 s the kubelet's back-off and the restart took. A container that ran
+    stallAfterSeconds or longer before it ended is restarting, not failing, until it has been down that long; one
+    that fails soon after it starts (a model too large for the limit) stalls at once, as before."""
+    def at(seconds_ago):
+        return (NOW - dt.timedelta(seconds=seconds_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    def killed(ran, ago):
+        return {"name": "server", "restartCount": 1, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137, "startedAt": at(ago + ran),
+                                             "finishedAt": at(ago)}}}
+    res = defaulted(es(INGEST))
+    obs = ST.Observed(deployment=deployment(replicas=2, ready=1, updated=2),
+                      pods=[_pod("a"), _pod("b", ready=False, server=killed(ran=600, ago=12))])
+    st = ST.compute(res, obs, R.Options(), now=NOW, stall_after=60)
+    assert conds(st)["Stalled"][0] == "False" and conds(st)["Reconciling"] == ("True", "WaitingForReplicas")
+    assert ST.stall_check_in(obs.pods, NOW, 60) == 48  # when it would have been down for stall_after
+    # down that long: a failure
+    obs.pods[1] = _pod("b", ready=False, server=killed(ran=600, ago=61))
+    assert conds(ST.compute(res, obs, R.Options(), now=NOW, stall_after=60))["Stalled"] == ("True", "OOMKilled")
+    assert ST.stall_check_in(obs.pods, NOW, 60) is None
+    # killed 20 s after it started: it cannot hold the model, a failure at once
+    obs.pods[1] = _pod("b", ready=False, server=killed(ran=20, ago=2))
+    assert conds(ST.compute(res, obs, R.Options(), now=NOW, stall_after=60))["Stalled"] == ("True", "OOMKilled")
+    # terminated now (before the back-off's waiting state), after a long run: restarting
+    server = killed(ran=600, ago=1)
+    server["state"] = {"terminated": server.pop("lastState")["terminated"]}
+    obs.pods[1] = _pod("b", ready=False, server=server)
+    assert conds(ST.compute(res, obs, R.Options(), now=NOW, stall_after=60))["Stalled"][0] == "False"
+    # an init container that completed after a long prepare is no restart to wait for
+    done = {"name": "prepare", "state": {"terminated": {"reason": "Completed", "exitCode": 0,
+                                                       "startedAt": at(700), "finishedAt": at(5)}}}
+    assert ST.stall_check_in([_pod("c", init=done)], NOW, 60) is None
