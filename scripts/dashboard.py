@@ -82,6 +82,17 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]], str]] = [
     ("Capacity", "Container restarts", "short",
      [(f"max(embedops_service_pod_restarts{{{SEL}}})", "restarts of current pods")],
      "A rising count: a model that cannot load, OOM kills, a crash loop."),
+    ("Answer cache", "Hit ratio", "percentunit",
+     [(f"sum(rate(embedops_answer_cache_hits{{{SEL}}}[{RATE}])) / (sum(rate(embedops_answer_cache_hits{{{SEL}}}"
+       f"[{RATE}])) + sum(rate(embedops_answer_cache_misses{{{SEL}}}[{RATE}])))", "hits / cacheable inputs")],
+     "spec.answerCache: the share of inputs answered without a forward (empty when the cache is off)."),
+    ("Answer cache", "Cache size", "bytes",
+     [(f"sum by (pod) (embedops_answer_cache_bytes{{{SEL}}})", "{{pod}}")],
+     "Bytes each replica's cache holds: up to spec.answerCache.size, which the replica's memory limit counts."),
+    ("Answer cache", "Evictions", "short",
+     [(f"sum(rate(embedops_answer_cache_evictions{{{SEL}}}[{RATE}]))", "answers dropped/s")],
+     "Answers dropped to stay within the size, least recently used first: steady evictions with a low hit ratio "
+     "say the size is too small for the repeats."),
 ]
 
 

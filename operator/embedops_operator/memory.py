@@ -136,7 +136,7 @@ def estimate(spec: EmbeddingServiceSpec, dtype: str, revision: int | None = None
         replica = sizing.estimate(g, dtype=weights_dtype, device="cpu", max_input_length=longest,
                                   forward_tokens=min(forward, b.max_batch_tokens), parallel_forwards=parallel,
                                   tokenizers=tokenizers, colbert_request_tokens=colbert_tokens,
-                                  embed_all_tokens=embed_all,
+                                  embed_all_tokens=embed_all, answer_cache_bytes=answer_cache_bytes(spec),
                                   int8_load_peak=sizing.INT8_LOAD_PEAK if current else 0.0)
     else:  # torch on CUDA: the warm-up runs a full max-batch-tokens forward
         replica = sizing.estimate(g, dtype=dtype, device="cuda", max_input_length=longest,
@@ -150,6 +150,11 @@ def estimate(spec: EmbeddingServiceSpec, dtype: str, revision: int | None = None
         # temporaries on this volume, not in the pod's 2Gi /tmp) and the int8 graphs
         cache = int(g.parameters * (4 + (4 + 2 if m.quantize else 0)) * 1.1) + (64 << 20)
     return Sizing(g, source, replica, prepare, cache)
+
+
+def answer_cache_bytes(spec: EmbeddingServiceSpec) -> int:
+    """The bound of the server's answer cache (spec.answerCache.size; 0: off)."""
+    return sizing.parse_quantity(spec.answer_cache.size) if spec.answer_cache else 0
 
 
 def cpu_memory(spec: EmbeddingServiceSpec, est: Sizing | None) -> str:

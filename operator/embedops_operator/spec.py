@@ -275,6 +275,15 @@ class Batching(Model):
     auto_truncate: bool = Field(True, description="Truncate over-long inputs instead of refusing them.")
 
 
+class AnswerCache(Model):
+    """An exact-match cache of answers in each replica (the server's --answer-cache-bytes): a repeated input (a
+    duplicate chunk in a re-index, a hot query) is answered without a forward. Keyed by the input after its prompt
+    and its truncation, within the one embedding space a replica serves: a model change starts empty."""
+    size: Quantity = Field(description=(
+        "Bytes of answers kept per replica (vectors, keys, overhead), least recently used out; added to the "
+        "replica's memory (its estimate, request and limit)."))
+
+
 class Autoscaling(Model):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, json_schema_extra={
         "x-kubernetes-validations": [cel("self.minReplicas <= self.maxReplicas",
@@ -543,6 +552,8 @@ class EmbeddingServiceSpec(Model):
     lanes: Lanes | None = Field(None, description=(
         "The server's interactive and batch lanes (on by default in the server; set this to change them or to "
         "give the batch lane its own address)."))
+    answer_cache: AnswerCache | None = Field(None, description=(
+        "Off unless set: an exact-match cache of answers per replica (docs/server.md#answer-cache)."))
     drain_seconds: int = Field(15, ge=0, le=600, description="preStop delay that lets in-flight requests finish.")
     rollout: Rollout | None = None
     migration: Migration = Field(default_factory=Migration, json_schema_extra={"default": {}}, description=(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from . import heap
 from .backends.base import Backend, cpu_threads
+from .core.cache import AnswerCache
 from .core.engine import Engine, EngineStats
 from .core.lanes import Lanes
 from .core.model_info import (COLBERT, DENSE, EMBEDDER, HEAD_FILES, LEXICAL, NO_TORCH, ModelError, ModelInfo,
@@ -30,6 +31,7 @@ class Service:
     load_seconds: float
     space: EmbeddingSpace | None = None
     lanes: Lanes | None = None  # the engines by lane (core/lanes.py); `engine` is its interactive lane's
+    cache: AnswerCache | None = None  # --answer-cache-bytes (core/cache.py), shared by the lanes' engines
 
     def __post_init__(self):
         if self.lanes is None:
@@ -181,7 +183,8 @@ def build_service(s: Settings, stats: EngineStats | None = None, tuning: Tuning 
     backend = make_backend(s, info, tokenizers.tokenizer, tuning)
     # what loading freed stays resident in glibc's heap otherwise (heap.py), under the warm-up's peak too
     released = heap.release_free_memory() or 0
-    lanes = make_lanes(s, backend, tokenizers, max_len, stats)
+    cache = AnswerCache(s.answer_cache_bytes, space.fingerprint) if s.answer_cache_bytes else None
+    lanes = make_lanes(s, backend, tokenizers, max_len, stats, cache)
     engine = lanes.primary
     # Warm-up: a full budget on GPU (OOM shows at start, not under load); one max-length input on CPU.
     engine.warmup(s.max_batch_tokens if backend.device != "cpu" else max_len)
@@ -191,17 +194,18 @@ def build_service(s: Settings, stats: EngineStats | None = None, tuning: Tuning 
     released += heap.release_free_memory() or 0  # and what the warm-up's forward freed
     if released > 0:
         log.info("start-up: %d MiB of freed heap returned to the kernel", released >> 20)
-    return Service(s, info, backend, engine, tokenizers, max_len, time.perf_counter() - t0, space, lanes)
+    return Service(s, info, backend, engine, tokenizers, max_len, time.perf_counter() - t0, space, lanes, cache)
 
 
 def make_lanes(s: Settings, backend: Backend, tokenizers: TokenizerPool, max_len: int,
-               stats: EngineStats | None) -> Lanes:
+               stats: EngineStats | None, cache: AnswerCache | None = None) -> Lanes:
     """The engines by lane: one per lane where the backend runs forwards side by side (ONNX Runtime on CPU),
     else one for both, interactive inputs first (core/lanes.py); one FIFO engine with --lanes false."""
     def make(**lane) -> Engine:
         return Engine(backend, tokenizers, max_len, s.max_batch_tokens, s.max_batch_requests,
                       s.max_concurrent_requests, stats, forward_tokens=forward_tokens(s, backend),
-                      workers=backend.parallel_forwards, max_token_outputs=s.max_embed_all_tokens, **lane)
+                      workers=backend.parallel_forwards, max_token_outputs=s.max_embed_all_tokens, cache=cache,
+                      **lane)
 
     if not s.lanes:
         lanes = Lanes.one(make())

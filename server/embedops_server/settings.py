@@ -145,6 +145,11 @@ class Settings(EnvironmentSettings):
     max_token_answers: int = Field(sizing.RESPONSES_IN_FLIGHT, ge=1, description="answers of every token's state (/embed_all, bge-m3's "
                                    "ColBERT vectors) in progress at once, from admission until sent; one more is "
                                    "answered 429: what the memory estimate counts (sizing.RESPONSES_IN_FLIGHT)")
+    answer_cache_bytes: int = Field(0, ge=0, description="an exact-match cache of answers (embeddings, sparse "
+                                    "vectors, scores) bounded by this many bytes, least recently used out: a "
+                                    "repeated input is answered without a forward, tokenization or admission; keyed "
+                                    "by the input after its prompt and the truncation (one process serves one "
+                                    "embedding space); 0 = off")
     lanes: bool = Field(True, description="interactive and batch lanes: a query's inputs do not wait behind "
                         "ingestion's (docs/server.md#lanes); false = one FIFO queue, as TEI")
     default_lane: Literal["auto", "interactive", "batch"] = Field(

@@ -102,6 +102,7 @@ class Estimate:
     detail: str  # which forward shape decided the activations
     responses: int = 0  # ColBERT outputs held while they are sent
     loading: int = 0  # above the weights while they load (int8 on CPU: their packed copies)
+    answer_cache: int = 0  # --answer-cache-bytes: held once full, whatever the load
 
     @property
     def serving(self) -> int:
@@ -110,14 +111,15 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return self.runtime + self.tokenizers + self.weights + max(self.serving, self.loading)
+        return self.runtime + self.tokenizers + self.weights + self.answer_cache + max(self.serving, self.loading)
 
     def describe(self) -> str:
         rest = "runtime and tokenizers" if self.tokenizers else "runtime"
         held = f", answers of every token's state {gib(self.responses)}" if self.responses else ""
         load = f"; loading, {gib(self.loading)} above the weights, is the peak" if self.loading > self.serving else ""
+        cache = f", answer cache {gib(self.answer_cache)}" if self.answer_cache else ""
         return (f"{gib(self.total)} (weights {gib(self.weights)}, activations {gib(self.activations)} "
-                f"for {self.detail}{held}, {rest} {gib(self.runtime + self.tokenizers)}{load})")
+                f"for {self.detail}{held}, {rest} {gib(self.runtime + self.tokenizers)}{cache}{load})")
 
 
 def gib(n: int | float) -> str:
@@ -139,7 +141,7 @@ def forward_bytes(g: Geometry, rows: int, length: int, bytes_per_value: int = 4,
 def estimate(g: Geometry, *, dtype: str, device: str = "cpu", max_input_length: int | None = None,
              forward_tokens: int = 1024, parallel_forwards: int = 1, tokenizers: int = 3,
              colbert_request_tokens: int = 0, int8_load_peak: float = INT8_LOAD_PEAK,
-             embed_all_tokens: int = 0) -> Estimate:
+             embed_all_tokens: int = 0, answer_cache_bytes: int = 0) -> Estimate:
     """Peak resident memory of one serving replica: host memory on CPU, GPU memory on CUDA.
 
     ``forward_tokens``: padded tokens per forward (CPU: the ONNX Runtime backend's 1024, or 256 per forward
@@ -151,7 +153,8 @@ def estimate(g: Geometry, *, dtype: str, device: str = "cpu", max_input_length: 
     its vectors (hidden-size floats each, bge-m3's ColBERT head) are host memory, so they count on CPU only:
     on a GPU they are not in the slice. ``embed_all_tokens``: an embedder's /embed_all answer, at most this many tokens
     (0: not counted, as the operator's template revisions before 6 did); host memory too. The server holds
-    RESPONSES_IN_FLIGHT answers of either kind at once, so the larger of the two counts that many times."""
+    RESPONSES_IN_FLIGHT answers of either kind at once, so the larger of the two counts that many times.
+    ``answer_cache_bytes``: the answer cache's bound (host memory: not counted on CUDA)."""
     length = min(max_input_length or g.max_positions, g.max_positions)
     cuda = device.startswith("cuda")
     value_bytes = 2 if cuda and dtype in ("float16", "bfloat16") else 4  # int8 dynamic: float32 activations
@@ -175,7 +178,8 @@ def estimate(g: Geometry, *, dtype: str, device: str = "cpu", max_input_length: 
                  embed_all_tokens * g.hidden * 4 * EMBED_ALL_BYTES_PER_OUTPUT_BYTE)
     held = 0 if cuda else int(RESPONSES_IN_FLIGHT * answer)
     loading = int(weights * int8_load_peak) if dtype == "int8" and not cuda else 0
-    return Estimate(CUDA_RUNTIME if cuda else CPU_RUNTIME, tok, weights, act, detail, held, loading)
+    return Estimate(CUDA_RUNTIME if cuda else CPU_RUNTIME, tok, weights, act, detail, held, loading,
+                    0 if cuda else answer_cache_bytes)
 
 
 # The one-time preparation, in float32 copies of the weights at its peak (measured on bge-m3's 2.27 GB: the

@@ -147,6 +147,9 @@ def test_a_model_change_never_mixes_two_spaces_behind_the_service_address(kube, 
     doc["spec"]["replicas"] = 3
     doc["spec"]["accelerator"]["cpu"]["memory"] = "1Gi"  # six pods during the migration on one 24 GiB node
     doc["spec"]["service"] = {"maxConnectionAgeSeconds": MAX_CONNECTION_AGE}
+    # the answer cache on (issue 56): the probe's one text is answered from each replica's cache after its first
+    # time there, and still never from a space that does not serve (each space's pods keep their own answers)
+    doc["spec"]["answerCache"] = {"size": "16Mi"}
     prerequisites(kube, ns, [doc], host_path=real.models_hostpath)
     svc.create(doc)
     wait_ready(svc, NAME, real, replicas=3)
@@ -198,6 +201,9 @@ def test_a_model_change_never_mixes_two_spaces_behind_the_service_address(kube, 
     rolled_back = promote(svc, old["key"])
     wait_for(lambda: spaces_of(svc).get("serving", {}).get("key") == old["key"], timeout=60, what="rolled back")
     time.sleep(5)
+    info = run_client(svc.core, ns, "space-info", real.server_image, service_url(NAME, ns), [["/info", None]],
+                      real.node_selector)[0]["body"]
+    assert info["answer_cache"]["hits"] > 0, info["answer_cache"]  # the old space answered the probe from its cache
     logs = {}
     for name in (probe, pooled):
         exec_in(kube, ns, name, ["python3", "-c", "open('/tmp/stop', 'w').close()"])

@@ -67,6 +67,33 @@ def test_cpu_default_memory_comes_from_the_estimate_and_the_prepare_step_may_bur
     assert {"name": "onnx-cache", "mountPath": R.ONNX_CACHE} in prep["volumeMounts"]
 
 
+def test_an_answer_cache_is_a_flag_and_memory_and_not_a_new_space():
+    """spec.answerCache (issue 56): the server's --answer-cache-bytes, its bytes added to the replica's estimate
+    (and so its request and limit; a user's memory below that is refused), host memory on a GPU replica; the
+    vectors do not change, so it rolls in place (the same space key)."""
+    from embedops_operator import spaces
+    from embedops_server.settings import Settings as ServerSettings
+
+    cached = copy.deepcopy(INGEST)
+    cached["answerCache"] = {"size": "512Mi"}
+    plain, with_cache = container(render(INGEST)), container(render(cached))
+    args = with_cache["args"]
+    assert args[args.index("--answer-cache-bytes") + 1] == str(512 << 20)
+    assert "--answer-cache-bytes" not in plain["args"]
+    ServerSettings(**{"model_id": "x", "answer_cache_bytes": int(args[args.index("--answer-cache-bytes") + 1])})
+    grown = sizing.parse_quantity(with_cache["resources"]["limits"]["memory"]) - \
+        sizing.parse_quantity(plain["resources"]["limits"]["memory"])
+    assert 512 << 20 <= grown <= (512 << 20) * 1.25 + (256 << 20)  # the estimate's headroom, rounded up
+    est = R.sizing_of(parsed(cached))
+    assert est.replica.answer_cache == 512 << 20 and "answer cache 0.50 GiB" in est.replica.describe()
+    deployment = lambda out: next(m for m in out if m["kind"] == "Deployment")  # noqa: E731
+    assert spaces.key_of(spaces.declaration(deployment(render(INGEST)))) == \
+        spaces.key_of(spaces.declaration(deployment(render(cached))))
+    gpu = {"model": {"id": "BAAI/bge-m3"}, "accelerator": {"mig": {"profile": "1g.10gb"}},
+           "answerCache": {"size": "512Mi"}}
+    assert container(render(gpu))["resources"]["limits"]["memory"] == "8704Mi"
+
+
 def test_a_cache_claim_outlives_pods():
     spec = copy.deepcopy(INGEST)
     spec["model"]["cache"] = {"claimName": "bge-m3-onnx", "subPath": "cpu"}

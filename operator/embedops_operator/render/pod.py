@@ -31,16 +31,23 @@ def _resources(spec: EmbeddingServiceSpec, est: memory.Sizing | None) -> dict:
                "limits": {"cpu": str(acc.cpu.cores), "memory": mem}}
     elif acc.mig:
         key = f"nvidia.com/mig-{acc.mig.profile}" if acc.mig.strategy == "mixed" else "nvidia.com/gpu"
-        res = {"requests": {"cpu": "2", "memory": "8Gi"},
-               "limits": {"memory": "8Gi", key: str(acc.mig.count)}}
+        mem = _host_memory(8 << 30, spec)
+        res = {"requests": {"cpu": "2", "memory": mem},
+               "limits": {"memory": mem, key: str(acc.mig.count)}}
     else:
-        res = {"requests": {"cpu": "4", "memory": "16Gi"},
-               "limits": {"memory": "16Gi", "nvidia.com/gpu": str(acc.gpu.count)}}
+        mem = _host_memory(16 << 30, spec)
+        res = {"requests": {"cpu": "4", "memory": mem},
+               "limits": {"memory": mem, "nvidia.com/gpu": str(acc.gpu.count)}}
     if spec.resources:  # user overrides win, per section and key
         for section, values in spec.resources.items():
             if isinstance(values, dict):
                 res.setdefault(section, {}).update({k: str(v) for k, v in values.items()})
     return res
+
+
+def _host_memory(base: int, spec: EmbeddingServiceSpec) -> str:
+    """A GPU replica's host memory: the fixed size, and the answer cache (host memory) when it is on."""
+    return sizing.quantity(sizing.round_up(base + memory.answer_cache_bytes(spec)))
 
 
 def _node_selector(spec: EmbeddingServiceSpec) -> dict[str, str]:
@@ -113,6 +120,8 @@ def _args(spec: EmbeddingServiceSpec, revision: int = TEMPLATE_REVISION) -> list
         args += ["--outputs", ",".join(o for o in ("dense", "sparse", "colbert") if o in m.outputs)]
     if metrics_port(revision):
         args += ["--prometheus-port", str(METRICS_PORT)]
+    if spec.answer_cache:  # a new field: no pod of an older template has it, so no revision
+        args += ["--answer-cache-bytes", str(memory.answer_cache_bytes(spec))]
     args.append("--json-output")
     return args
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .cache import AnswerCache, Lookup
 from .errors import BACKEND, OVERLOADED, VALIDATION, EngineError
 from .queue import BatchQueue, Entry
 from .tokenization import EncodeJob, TokenizerPool
@@ -95,7 +96,7 @@ class Request:
     __slots__ = (
         "future", "loop", "n", "remaining", "results", "need_tokens", "cancelled", "done",
         "t_start", "t_tokenized", "t_queue", "t_infer", "tokens", "outputs",
-        "t_batched", "t_forward", "t_forwarded", "t_done", "batch_rows", "beside", "lane",
+        "t_batched", "t_forward", "t_forwarded", "t_done", "batch_rows", "beside", "lane", "cache", "cached",
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, n: int, need_tokens: bool,
@@ -119,6 +120,8 @@ class Request:
         # multi-output request (bge-m3): each result is a dict of these outputs; None: the pooled vector
         self.outputs = outputs
         self.lane = ""  # the lane (core/lanes.py) whose engine runs it; "" without lanes
+        self.cache: tuple | None = None  # (AnswerCache, Lookup): its computed answers go to the cache when done
+        self.cached = 0  # inputs answered from the cache
 
 
 @dataclass
@@ -138,8 +141,9 @@ class Engine:
                  max_batch_requests: int | None, max_concurrent_requests: int, stats: EngineStats | None = None,
                  forward_tokens: int | None = None, workers: int = 1, lane: str = "", nice: int = 0,
                  inline: bool = True, beside: Callable[[], bool] | None = None,
-                 max_token_outputs: int | None = None):
+                 max_token_outputs: int | None = None, cache: AnswerCache | None = None):
         self.backend = backend
+        self.cache = cache  # core/cache.py: one for every lane's engine (one space)
         # tokens a request answering every token's state (/embed_all: tokens x width floats) may hold (issue 53)
         self.max_token_outputs = max_token_outputs
         self.lane = lane
@@ -192,9 +196,20 @@ class Engine:
         rate = self._throughput or 1.0
         return max(1, min(60, math.ceil(self.in_flight / rate)))
 
+    def lookup(self, texts: Sequence, truncate: bool, direction: str, need_tokens: bool = False,
+               outputs: Sequence[str] | None = None) -> Lookup | None:
+        """What the answer cache holds for these inputs (None: no cache, or a request it does not keep: every
+        token's state, multi-output). Pass it to `submit`, which computes only the rest; admit only those."""
+        if self.cache is None or need_tokens or outputs:
+            return None
+        return self.cache.lookup(texts, truncate, direction)
+
     def submit(self, texts: Sequence, truncate: bool, direction: str, need_tokens: bool = False,
-               outputs: Sequence[str] | None = None, alone: bool = True, lane: str = "") -> Request:
-        """Queue admitted inputs; await `request.future`. Caller must have called admit(len(texts)).
+               outputs: Sequence[str] | None = None, alone: bool = True, lane: str = "",
+               cached: Lookup | None = None) -> Request:
+        """Queue admitted inputs; await `request.future`. Caller must have called admit(len(texts)), or admit of
+        the inputs ``cached`` (this engine's `lookup`) misses: only those are computed, the others are answered from
+        the cache (all of them: the future is done on return), and the computed ones join the cache when done.
         ``outputs``: a multi-output request (any of "dense", "sparse", "colbert", which the backend's model must
         have); each result is then a dict of those, all from one forward. ``alone``: the caller knows of no other
         request waiting to be submitted (False keeps this one's forward off the event loop). ``lane``: the lane of
@@ -204,6 +219,19 @@ class Engine:
         req = Request(loop, len(texts), need_tokens, tuple(outputs) if outputs else None)
         req.lane = lane or self.lane
         urgent = bool(self.urgent_lane) and req.lane == self.urgent_lane
+        index = range(len(texts))
+        if cached is not None:
+            req.results = cached.results
+            req.cached = len(texts) - len(cached.missing)
+            req.remaining = len(cached.missing)
+            if not cached.missing:  # every input answered: no tokenizer, queue or forward
+                req.t_tokenized = req.t_done = time.perf_counter()
+                req.future.set_result(req.results)
+                return req
+            req.cache = (self.cache, cached)
+            index = cached.missing
+            if req.cached:
+                texts = [texts[i] for i in index]
         n = len(texts)
         with self._cv:
             self._tokenizing += n
@@ -218,7 +246,7 @@ class Engine:
             if req.cancelled:
                 return
             entries = []
-            for i, (ids, tids) in enumerate(encs):
+            for i, (ids, tids) in zip(index, encs):
                 entries.append(Entry(req, i, ids, tids, urgent))
                 req.tokens += len(ids)
                 self.stats.on_input_length(len(ids))
@@ -507,9 +535,15 @@ def _filler(rows: int, length: int) -> Batch:
 
 
 def _finish_all(reqs: list[Request]) -> None:
+    """On the event loop: answer the requests whose last input was computed; their computed answers join the
+    answer cache (the loop is the only thread that touches it)."""
     t = time.perf_counter()
     for req in reqs:
         req.t_done = t
+        if req.cache is not None:
+            cache, cached = req.cache
+            for i in cached.missing:
+                cache.put(cached.keys[i], req.results[i])
         if not req.future.done():
             req.future.set_result(req.results)
 

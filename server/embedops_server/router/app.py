@@ -122,6 +122,7 @@ def create_app(settings: Settings, service=None,
             st.metrics.queue_size.set(lanes.queued())
             st.metrics.in_flight.set(lanes.in_flight)
             st.metrics.update_lanes(lanes)
+            st.metrics.update_cache(st.service.cache)
             st.metrics.update_gpu(st.service.backend.memory_stats())
         return Response(st.metrics.render(), media_type=METRICS_TYPE + "; charset=utf-8")
 
@@ -152,6 +153,9 @@ def create_app(settings: Settings, service=None,
             "lanes": {"enabled": svc.lanes.enabled, "separate": svc.lanes.separate, "default": s.default_lane,
                       "auto_max_inputs": s.lane_auto_max_inputs, "batch_limit": svc.lanes.batch_limit,
                       "batch_nice": s.batch_lane_nice if svc.lanes.separate else 0},
+            # core/cache.py: exact-match answers of this space, bounded by bytes (null: off)
+            "answer_cache": {"max_bytes": svc.cache.max_bytes, "bytes": svc.cache.bytes, "entries": len(svc.cache),
+                             "hits": svc.cache.hits, "misses": svc.cache.misses} if svc.cache else None,
             "max_client_batch_size": s.max_client_batch_size, "auto_truncate": s.auto_truncate,
             "tokenization_workers": svc.tokenizers.workers, "version": __version__, "sha": None,
             # the embedding space the vectors belong to (core/space.py): the `embedding-space` header's value

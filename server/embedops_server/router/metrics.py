@@ -49,6 +49,11 @@ class _Counters:
         with self._lock:
             self._values.setdefault((name, tuple(sorted(labels.items()))), 0.0)
 
+    def set(self, name: str, value: float, **labels) -> None:
+        """A counter kept elsewhere (the answer cache's), copied at scrape time."""
+        with self._lock:
+            self._values[(name, tuple(sorted(labels.items())))] = value
+
     def inc(self, name: str, amount: float = 1.0, **labels) -> None:
         key = (name, tuple(sorted(labels.items())))
         with self._lock:
@@ -135,6 +140,13 @@ class Metrics:
             self.lane_queue.labels(lane=lane).set(0)
             self.lane_in_flight.labels(lane=lane).set(0)
 
+        # The answer cache (--answer-cache-bytes, core/cache.py): exported only when it is on
+        self._cache_declared = False
+        self.cache_bytes = Gauge("embedops_answer_cache_bytes", "Bytes the answer cache holds (its vectors, keys "
+                                 "and per-entry overhead) (embedops addition)", registry=None)
+        self.cache_entries = Gauge("embedops_answer_cache_entries", "Answers the answer cache holds (embedops "
+                                   "addition)", registry=None)
+
         # Only exported when the backend runs on a GPU (torch on CUDA): set from the backend on each scrape.
         self.gpu_memory = Gauge("embedops_gpu_memory_bytes",
                                 "GPU memory of this process by kind: allocated (tensors now), reserved (the "
@@ -146,6 +158,27 @@ class Metrics:
         for lane in LANES:
             self.lane_queue.labels(lane=lane).set(lanes.queued(lane))
             self.lane_in_flight.labels(lane=lane).set(lanes.in_flight_of(lane))
+
+    def update_cache(self, cache) -> None:
+        """The answer cache's counters and size at scrape time (None: off, nothing exported)."""
+        if cache is None:
+            return
+        if not self._cache_declared:
+            self._cache_declared = True
+            for name, help_ in [
+                    ("embedops_answer_cache_hits", "Inputs answered from the answer cache (embedops addition)"),
+                    ("embedops_answer_cache_misses", "Cacheable inputs the answer cache did not hold: computed, "
+                                                     "then kept (embedops addition)"),
+                    ("embedops_answer_cache_evictions", "Answers dropped from the answer cache to stay within its "
+                                                        "bytes, least recently used first (embedops addition)")]:
+                self.c.declare(name, help_)
+            self.registry.register(self.cache_bytes)
+            self.registry.register(self.cache_entries)
+        self.c.set("embedops_answer_cache_hits", cache.hits)
+        self.c.set("embedops_answer_cache_misses", cache.misses)
+        self.c.set("embedops_answer_cache_evictions", cache.evictions)
+        self.cache_bytes.set(cache.bytes)
+        self.cache_entries.set(len(cache))
 
     def update_gpu(self, stats: dict | None) -> None:
         if not stats:

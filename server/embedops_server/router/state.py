@@ -21,6 +21,8 @@ from .metrics import Metrics, after_response
 # sets it without touching bodies: the OpenAI SDK per call (extra_headers) or per client (default_headers),
 # LiteLLM per model (litellm_params.extra_headers) or per call.
 LANE_HEADER = "embedops-lane"
+# How many of a request's inputs the answer cache answered (core/cache.py), on every answer while it is on.
+CACHE_HEADER = "embedops-cache-hits"
 
 
 class AppState:
@@ -145,6 +147,10 @@ class AppState:
             lanes.admit_token_answer()  # 429 while as many answers of every token's state are in progress
             # held until the answer is sent (middleware.AfterResponseMiddleware), not only computed
             request.scope.setdefault(AFTER_RESPONSE_KEY, []).append(lanes.release_token_answer)
+        # the answer cache's (--answer-cache-bytes): only the inputs it misses are admitted and computed
+        cached = engine.lookup(texts, truncate, direction.lower(), need_tokens, outputs)
+        if cached is not None:
+            n = len(cached.missing)
         try:
             lanes.admit(lane, n)  # raises Overloaded (429 + Retry-After) at once
         except EngineError as exc:
@@ -153,7 +159,7 @@ class AppState:
             raise
         try:
             req = engine.submit(texts, truncate, direction.lower(), need_tokens, outputs, alone=self.alone(),
-                                lane=lane)
+                                lane=lane, cached=cached)
             request.scope[ENGINE_REQUEST_KEY] = req
             fut = req.future
             if not fut.done():  # (a lone query run on the event loop is answered already)
@@ -191,6 +197,7 @@ class AppState:
             "x-inference-time": f"{req.t_infer * 1000 / n:.3f}",
             "x-compute-tokens": str(req.tokens),
             LANE_HEADER: req.lane,
+            **({CACHE_HEADER: str(req.cached)} if self.service and self.service.cache is not None else {}),
         }
 
 

@@ -18,7 +18,8 @@ Stages, in milliseconds (W3C Server-Timing `dur`):
   wake      forward end -> the event loop resumes the handler (post-processing of the batch, the loop hop)
   respond   handler resumed -> response headers sent (normalization, serialization)
   total     ASGI entry -> response headers sent
-and `batch;desc=<inputs in its largest forward>`, `beside;desc=1` when a forward ran beside another one.
+and `batch;desc=<inputs in its largest forward>`, `beside;desc=1` when a forward ran beside another one,
+`cache;desc=<inputs>` when the answer cache answered some of its inputs (all of them: no stage after `tokenize`).
 The stages are consecutive and add up to `total`: for a request spread over several forwards, `queue` ends when its
 last input is taken into a batch, so its earlier forwards fall inside `queue` and `forward` counts from there.
 """
@@ -45,6 +46,8 @@ def server_timing(req, t_received: float, now: float) -> bytes:
         parts.append(f"batch;desc={req.batch_rows}")
     if req.beside:
         parts.append("beside;desc=1")
+    if req.cached:
+        parts.append(f"cache;desc={req.cached}")
     return ", ".join(parts).encode()
 
 
