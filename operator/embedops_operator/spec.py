@@ -181,7 +181,7 @@ class ModelSpec(Model):
     outputs: list[Output] | None = Field(
         None, min_length=1, json_schema_extra={"x-kubernetes-list-type": "set"},
         description="Task embed, a model in BAAI/bge-m3's layout (sparse_linear.pt / colbert_linear.pt): the outputs "
-                    "the gateway exposes. dense: /embed, /embed_all, /v1/embeddings; sparse: /embed_sparse (lexical "
+                    "the gateway exposes. dense: /embed, /embed_all, /v1/embeddings, /v2/embed; sparse: /embed_sparse (lexical "
                     "weights); colbert: /embed_colbert; two or more: also /embed_hybrid (several from one forward). "
                     "Default: dense only.")
     prompts: Prompts | None = None

@@ -61,12 +61,12 @@ def test_cel_id_pattern_follows_task_detection(model_id):
 
 
 def test_route_paths_follow_outputs():
-    assert _paths(_spec()) == ["/v1/embeddings", "/embed", "/v1/models"]  # /embed_all only with gateway.embedAll
+    assert _paths(_spec()) == ["/v1/embeddings", "/embed", "/v2/embed", "/v1/models"]  # /embed_all only with gateway.embedAll
     assert _paths(_spec(outputs=["dense", "sparse", "colbert"])) == [
-        "/v1/embeddings", "/embed", "/embed_sparse", "/embed_colbert", "/embed_hybrid", "/v1/models"]
+        "/v1/embeddings", "/embed", "/v2/embed", "/embed_sparse", "/embed_colbert", "/embed_hybrid", "/v1/models"]
     assert _paths(_spec(outputs=["sparse"])) == ["/embed_sparse", "/v1/models"]
     assert _paths(_spec(outputs=["colbert", "dense"])) == [
-        "/v1/embeddings", "/embed", "/embed_colbert", "/embed_hybrid", "/v1/models"]
+        "/v1/embeddings", "/embed", "/v2/embed", "/embed_colbert", "/embed_hybrid", "/v1/models"]
 
 
 def _server_args(spec: dict) -> list[str]:

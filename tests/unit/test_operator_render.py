@@ -275,7 +275,7 @@ def test_missing_capabilities():
 
 
 @pytest.mark.parametrize("task,paths", [
-    ("embed", ["/v1/embeddings", "/embed", "/v1/models"]), ("rerank", ["/rerank", "/v1/rerank"]),
+    ("embed", ["/v1/embeddings", "/embed", "/v2/embed", "/v1/models"]), ("rerank", ["/rerank", "/v1/rerank"]),
     ("sparse", ["/embed_sparse", "/embed"]), ("classify", ["/predict"])])
 def test_http_route_paths_by_task(task, paths):
     spec = copy.deepcopy(MIG)

@@ -8,14 +8,14 @@ from .base import HTTPROUTE, LABEL_INSTANCE, LABEL_SPACE, common_labels, detect_
 
 ROUTE_PATHS = {
     "embed": [("PathPrefix", "/v1/embeddings"), ("Exact", "/embed"), ("Exact", "/embed_all"),
-              ("PathPrefix", "/v1/models")],
+              ("Exact", "/v2/embed"), ("PathPrefix", "/v1/models")],
     "sparse": [("Exact", "/embed_sparse"), ("Exact", "/embed")],
     "rerank": [("Exact", "/rerank"), ("Exact", "/v1/rerank")],
     "classify": [("Exact", "/predict")],
 }
 # model.outputs of an embed service (bge-m3 layout): the routes each output adds.
 OUTPUT_PATHS = {
-    "dense": [("PathPrefix", "/v1/embeddings"), ("Exact", "/embed"), ("Exact", "/embed_all")],
+    "dense": [("PathPrefix", "/v1/embeddings"), ("Exact", "/embed"), ("Exact", "/embed_all"), ("Exact", "/v2/embed")],
     "sparse": [("Exact", "/embed_sparse")],
     "colbert": [("Exact", "/embed_colbert")],
 }

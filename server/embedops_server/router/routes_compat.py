@@ -9,12 +9,14 @@ from typing import Annotated
 import numpy as np
 from fastapi import APIRouter, Path, Request
 
+from ..core import quantize
 from ..core.errors import EMPTY
 from ..core.model_info import EMBEDDER, RERANKER
 from . import errors, scoring
 from .errors import ApiError
 from .routes_tei import INFERENCE_ERRORS, app_state, count_success, json_response, observe_phases, route_doc
-from .schemas import MARK, COHERE_RERANK_OK, MODEL_OK, MODELS_OK, OPENAI_EMBED_OK, CohereRerankRequest, OpenAIEmbeddingRequest
+from .schemas import (MARK, COHERE_EMBED_OK, COHERE_RERANK_OK, MODEL_OK, MODELS_OK, OPENAI_EMBED_OK, CohereEmbedRequest,
+                      CohereRerankRequest, OpenAIEmbeddingRequest)
 
 router = APIRouter()
 
@@ -27,7 +29,12 @@ async def openai_embeddings(request: Request, body: OpenAIEmbeddingRequest):
     texts = st.texts(svc, body.input, st.prompt(svc, None), field="input")
     results, req = await st.run(request, svc, texts, st.settings.auto_truncate, "right")
     v = scoring.dense(results, body.dimensions, True, svc.backend.hidden_size)
-    if body.encoding_format == "base64":
+    if body.embedding_type != quantize.FLOAT:
+        # the packed bytes as they are (base64), or as integers: binary -128..127, ubinary 0..255
+        q = quantize.as_type(v, body.embedding_type)
+        data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(q[i].tobytes()).decode()
+                 if body.encoding_format == "base64" else q[i]} for i in range(len(q))]
+    elif body.encoding_format == "base64":
         le = v.astype("<f4", copy=False)  # little-endian float32 bytes, what the OpenAI SDK decodes
         data = [{"object": "embedding", "embedding": base64.b64encode(le[i].tobytes()).decode(), "index": i}
                 for i in range(len(le))]
@@ -44,6 +51,46 @@ router.add_api_route("/v1/embeddings", openai_embeddings, methods=["POST"], tags
                      summary="OpenAI-compatible embeddings (float or base64)",
                      **route_doc(OPENAI_EMBED_OK, EMBEDDER, errs=errors.responses(400, 413, 422, 424, 429, 503, openai=True)))
 router.add_api_route("/embeddings", openai_embeddings, methods=["POST"], tags=["OpenAI"], include_in_schema=False)
+
+
+# Cohere's input_type -> the prompt names sentence-transformers models declare for it (the first the model has)
+INPUT_TYPE_PROMPTS = {"search_query": ("query",), "search_document": ("document", "passage"),
+                      "classification": ("classification",), "clustering": ("clustering",)}
+COHERE_TRUNCATE = {"NONE": (False, "right"), "START": (True, "left"), "END": (True, "right")}
+
+
+async def cohere_embed(request: Request, body: CohereEmbedRequest):
+    """Cohere's v2 embed: the types asked for from one computation. `input_type` picks the model's prompt of that
+    name when it declares one (sentence-transformers' `query`, `document`/`passage`, ...), else the server's
+    default prompt applies, as on every route."""
+    st = app_state(request)
+    t0 = time.perf_counter()
+    svc = st.require_task(EMBEDDER)
+    st.check_dimensions(svc, body.output_dimension)
+    names = [n for n in INPUT_TYPE_PROMPTS.get(body.input_type or "", ()) if n in svc.info.prompts]
+    texts = st.texts(svc, body.texts, st.prompt(svc, names[0] if names else None), field="texts")
+    truncate, direction = COHERE_TRUNCATE[body.truncate]
+    results, req = await st.run(request, svc, texts, truncate, direction)
+    v = scoring.dense(results, body.output_dimension, True, svc.backend.hidden_size)
+    out: dict = {}
+    for kind in dict.fromkeys(body.embedding_types):
+        if kind == quantize.FLOAT:
+            out[kind] = v
+        elif kind == quantize.BASE64:
+            le = v.astype("<f4", copy=False)
+            out[kind] = [base64.b64encode(le[i].tobytes()).decode() for i in range(len(le))]
+        else:
+            out[kind] = quantize.as_type(v, kind)
+    count_success(st, "embed", len(texts), t0)
+    observe_phases(st, req)
+    return json_response({"id": str(uuid.uuid4()), "embeddings": out, "texts": list(body.texts),
+                          "meta": {"api_version": {"version": "2"}, "billed_units": {"input_tokens": req.tokens}},
+                          "response_type": "embeddings_by_type"}, st.headers(req, t0))
+
+
+router.add_api_route("/v2/embed", cohere_embed, methods=["POST"], tags=["Cohere/Jina"],
+                     summary="Cohere v2 embed: float, base64, binary and ubinary vectors",
+                     **route_doc(COHERE_EMBED_OK, EMBEDDER))
 
 
 def _model_card(st) -> dict:

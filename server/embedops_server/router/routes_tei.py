@@ -9,6 +9,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from ..core import quantize
 from ..core.errors import BACKEND, EMPTY, VALIDATION
 from ..core.model_info import CLASSIFIER, EMBEDDER, RERANKER, SPARSE
 from . import errors, scoring
@@ -90,7 +91,8 @@ async def embed(request: Request, body: EmbedRequest):
         raise ApiError(BACKEND, "`normalize` is not available for SPLADE models; pass normalize=false")
     st.check_dimensions(svc, body.dimensions)
     results, req, t0 = await _embed_like(request, body, False, (EMBEDDER, SPARSE))
-    vecs = scoring.dense(results, body.dimensions, body.normalize, svc.backend.hidden_size)
+    vecs = quantize.as_type(scoring.dense(results, body.dimensions, body.normalize, svc.backend.hidden_size),
+                            body.embedding_type)
     return json_response(vecs, st.headers(req, t0))
 
 

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
+from ..core import quantize
+
 
 @dataclass(frozen=True)
 class _Doc:
@@ -55,6 +57,19 @@ class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+# embedops' extension of TEI's /embed and OpenAI's /v1/embeddings: the vector's type (core/quantize.py); binary
+# and ubinary are the sign bits packed eight to a byte, as Cohere's /v2/embed gives them
+def _served_type(v):
+    """int8 and uint8 (Cohere's types too) are not in the schema; asked for, the 422 says why."""
+    refused = quantize.refuse_calibrated([v]) if isinstance(v, str) else None
+    if refused:
+        raise ValueError(refused.removeprefix("Input validation error: "))
+    return v
+
+
+EmbeddingType = Annotated[Literal["float", "binary", "ubinary"], BeforeValidator(_served_type)]
+
+
 class EmbedRequest(_Base):
     inputs: Input
     truncate: StrictBool | None = None
@@ -62,6 +77,7 @@ class EmbedRequest(_Base):
     prompt_name: PromptName | None = None
     normalize: StrictBool = True
     dimensions: Dimensions | None = None
+    embedding_type: EmbeddingType = "float"
 
 
 class EmbedAllRequest(_Base):
@@ -129,6 +145,20 @@ class OpenAIEmbeddingRequest(_Base):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Dimensions | None = None
     user: StrictStr | None = None
+    embedding_type: EmbeddingType = "float"
+
+
+CohereEmbeddingType = Annotated[Literal["float", "binary", "ubinary", "base64"], BeforeValidator(_served_type)]
+
+
+class CohereEmbedRequest(_Base):
+    """Cohere's v2 embed (texts only; `images` and multimodal `inputs` are not served)."""
+    texts: texts()
+    model: StrictStr | None = None
+    input_type: Literal["search_document", "search_query", "classification", "clustering"] | None = None
+    embedding_types: Annotated[list[CohereEmbeddingType], Field(min_length=1)] = ["float"]
+    truncate: Literal["NONE", "START", "END"] = "END"
+    output_dimension: Dimensions | None = None
 
 
 class RerankDocument(_Base):
@@ -168,7 +198,7 @@ _MODEL_CARD = {"type": "object", "required": ["id", "object", "created", "owned_
                "properties": {"id": {"type": "string"}, "object": {"const": "model"},
                               "created": {"type": "integer"}, "owned_by": {"type": "string"}}}
 
-EMBED_OK = ok({"type": "array", "items": _VEC}, "One vector per input")
+EMBED_OK = ok({"type": "array", "items": _VEC}, "One vector per input (integers for binary and ubinary)")
 _B64 = {"type": "string", "contentEncoding": "base64"}
 _COLBERT = {"anyOf": [{"type": "array", "items": _VEC}, _B64]}  # tokens x colbert_dim, or its float32 base64
 COLBERT_OK = ok({"type": "array", "items": _COLBERT},
@@ -199,6 +229,16 @@ OPENAI_EMBED_OK = ok({
                            "embedding": {"anyOf": [_VEC, {"type": "string", "contentEncoding": "base64"}]}}}},
         "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"],
                   "properties": {"prompt_tokens": {"type": "integer"}, "total_tokens": {"type": "integer"}}}}})
+_INTS = {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}
+COHERE_EMBED_OK = ok({
+    "type": "object", "required": ["id", "embeddings", "texts", "meta", "response_type"],
+    "properties": {
+        "id": {"type": "string"}, "response_type": {"const": "embeddings_by_type"},
+        "texts": {"type": "array", "items": {"type": "string"}}, "meta": {"type": "object"},
+        "embeddings": {"type": "object", "properties": {
+            "float": {"type": "array", "items": _VEC}, "binary": _INTS, "ubinary": _INTS,
+            "base64": {"type": "array", "items": _B64}}}}},
+    "The vectors of each type asked for (binary, ubinary: the sign bits, packed eight to a byte)")
 MODELS_OK = ok({"type": "object", "required": ["object", "data"],
                 "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _MODEL_CARD}}})
 MODEL_OK = ok(_MODEL_CARD)
