@@ -140,6 +140,14 @@ def _explicit_kubeconfig() -> str | None:
     return os.environ.get("EMBEDOPS_E2E_KUBECONFIG") or os.environ.get("KUBECONFIG") or None
 
 
+def session_run_dir():
+    """The folder of this session's local control plane: the side lane's own has its own (scripts/test-lanes.sh,
+    `EMBEDOPS_TEST_CLUSTER`); tests that start parts of it (the monitoring stack) find it here."""
+    from localcluster import controlplane
+
+    return controlplane.default_run_dir() / os.environ.get("EMBEDOPS_TEST_CLUSTER", "pytest")
+
+
 @pytest.fixture(scope="session")
 def kube():
     from localcluster import controlplane
@@ -161,9 +169,7 @@ def kube():
         pytest.skip(str(e))
     from localcluster import node
 
-    # the side lane's own control plane has its own folder (scripts/test-lanes.sh); one per run folder
-    run_name = os.environ.get("EMBEDOPS_TEST_CLUSTER", "pytest")
-    cluster, kubeconfig, reason = controlplane.start_cluster(controlplane.default_run_dir() / run_name)
+    cluster, kubeconfig, reason = controlplane.start_cluster(session_run_dir())
     global SESSION_KUBE
     try:
         SESSION_KUBE = Kube(str(kubeconfig), local=True, helm=helm,

@@ -36,24 +36,27 @@ CORPUS = os.environ.get("CORPUS", "/app/corpus.jsonl")
 BATCH = int(os.environ.get("BATCH", "32"))
 
 
-def embed(texts: list[str]) -> tuple[list[list[float]], str | None]:
-    """POST /embed (TEI's route): one vector per text, L2-normalized, so cosine distance is what pgvector
-    ranks by, and the embedding space they belong to. 429 (the server's backpressure) and 503 (a pod not ready
-    yet) are retried with backoff; other errors stop the Job with the server's message."""
-    body = json.dumps({"inputs": texts, "normalize": True, "truncate": True}).encode()
+def embed(texts: list[str]) -> tuple[list[list[float]], list[str], str | None]:
+    """POST /v2/embed (Cohere's route): one vector per text, L2-normalized, so cosine distance is what pgvector
+    ranks by, and from the same computation its binary form (the sign bits, 32x smaller: query.py's first stage),
+    as a bit string; and the embedding space they belong to. 429 (the server's backpressure) and 503 (a pod not
+    ready yet) are retried with backoff; other errors stop the Job with the server's message."""
+    body = json.dumps({"texts": texts, "embedding_types": ["float", "ubinary"], "truncate": "END"}).encode()
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {API_KEY}"} if API_KEY else {})}
     for attempt in range(8):
-        req = urllib.request.Request(EMBED_URL + "/embed", data=body, headers=headers)
+        req = urllib.request.Request(EMBED_URL + "/v2/embed", data=body, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
-                return json.load(r), r.headers.get("embedding-space")
+                got = json.load(r)["embeddings"]
+                bits = ["".join(f"{b:08b}" for b in row) for row in got["ubinary"]]
+                return got["float"], bits, r.headers.get("embedding-space")
         except urllib.error.HTTPError as e:
             if e.code not in (429, 503):
-                sys.exit(f"ingest: /embed answered {e.code}: {e.read().decode(errors='replace')[:500]}")
+                sys.exit(f"ingest: /v2/embed answered {e.code}: {e.read().decode(errors='replace')[:500]}")
         except (urllib.error.URLError, OSError) as e:  # the Service has no endpoint yet, a reset connection
-            print(f"ingest: /embed not reachable ({e}); retrying", file=sys.stderr)
+            print(f"ingest: /v2/embed not reachable ({e}); retrying", file=sys.stderr)
         time.sleep(min(2 ** attempt * 0.25, 10))
-    sys.exit("ingest: /embed kept refusing (429/503) after 8 attempts")
+    sys.exit("ingest: /v2/embed kept refusing (429/503) after 8 attempts")
 
 
 def connect():
@@ -81,7 +84,7 @@ def main() -> None:
     for i in range(0, len(rows), BATCH):
         chunk = rows[i:i + BATCH]
         t = time.monotonic()
-        vectors, answered = embed([r["text"] for r in chunk])
+        vectors, bits, answered = embed([r["text"] for r in chunk])
         embed_seconds += time.monotonic() - t
         if dim is None:
             dim, space = len(vectors[0]), answered
@@ -89,19 +92,22 @@ def main() -> None:
             table = f"passages_{space}" if space and space.isalnum() else "passages"
             cur.execute(f"CREATE TABLE IF NOT EXISTS {table} (id text PRIMARY KEY, body text NOT NULL, "
                         f"embedding vector({dim}) NOT NULL)")
+            # the binary form (a table of an earlier version of this script gets the column)
+            cur.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS bits bit({len(bits[0])})")
         elif answered != space:  # the service's space changed under this Job: its rows would mix two spaces
             sys.exit(f"ingest: the embedding space changed from {space} to {answered} during ingestion; run again")
-        cur.executemany(f"INSERT INTO {table} (id, body, embedding) VALUES (%s, %s, %s::vector) "
-                        "ON CONFLICT (id) DO UPDATE SET body = EXCLUDED.body, embedding = EXCLUDED.embedding",
-                        [(r["id"], r["text"], json.dumps(v)) for r, v in zip(chunk, vectors)])
-    # HNSW on cosine distance: what query.py's ORDER BY embedding <=> ... uses
-    cur.execute(f"CREATE INDEX IF NOT EXISTS {table}_embedding_hnsw ON {table} "
-                "USING hnsw (embedding vector_cosine_ops)")
+        cur.executemany(f"INSERT INTO {table} (id, body, embedding, bits) VALUES (%s, %s, %s::vector, %s::bit(%s)) "
+                        "ON CONFLICT (id) DO UPDATE SET body = EXCLUDED.body, embedding = EXCLUDED.embedding, "
+                        "bits = EXCLUDED.bits",
+                        [(r["id"], r["text"], json.dumps(v), b, len(b)) for r, v, b in zip(chunk, vectors, bits)])
+    # HNSW on Hamming distance over the bits: query.py's first stage (ORDER BY bits <~> ...), whose candidates
+    # it orders by cosine distance over the float vectors (read for those rows only)
+    cur.execute(f"CREATE INDEX IF NOT EXISTS {table}_bits_hnsw ON {table} USING hnsw (bits bit_hamming_ops)")
     cur.execute(f"ANALYZE {table}")
     cur.execute("SELECT relkind FROM pg_class WHERE relname = 'passages'")
     kind = (cur.fetchone() or [None])[0]
     if table != "passages" and not REINDEX and kind in (None, "v"):  # a table of that name (an older run) stays
-        cur.execute(f"CREATE OR REPLACE VIEW passages AS SELECT id, body, embedding FROM {table}")
+        cur.execute(f"CREATE OR REPLACE VIEW passages AS SELECT id, body, embedding, bits FROM {table}")
     cur.execute(f"SELECT count(*) FROM {table}")
     stored = cur.fetchone()[0]
     print(json.dumps({"rows": stored, "corpus": len(rows), "dimension": dim, "space": space, "table": table,

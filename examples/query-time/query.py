@@ -1,8 +1,10 @@
 """Query time: embed the question through LiteLLM, search pgvector, rerank the candidates through the gateway.
 
 The seed's pattern for a RAG query path: the embedding goes through the LLM gateway (LiteLLM, the model name its
-config gives the embedder), the nearest CANDIDATES passages come from PostgreSQL + pgvector (cosine distance,
-HNSW index made by ingest.py), and the reranker (a cross-encoder, sized on its own) orders those candidates
+config gives the embedder), the nearest CANDIDATES passages come from PostgreSQL + pgvector in two stages (the
+RESCORE nearest by Hamming distance over the passages' binary vectors, HNSW index made by ingest.py, then those
+ordered by cosine distance over their float vectors: a binary index 32x smaller than float32, rescored), and the
+reranker (a cross-encoder, sized on its own) orders those candidates
 through the Gateway API route; the best KEEP are the answer's context. Standard library HTTP and psycopg2.
 
     python3 query.py "Which currency is used in Japan?" ["another question" ...]
@@ -19,7 +21,8 @@ Environment:
   RERANK_URL                 the reranker's base URL through the gateway (hostname and path prefix included)
   RERANK_HOST                optional Host header, when RERANK_URL names the gateway's own Service instead
                              of a DNS name that resolves to it
-  CANDIDATES (50), KEEP (5), EF_SEARCH (100: pgvector's HNSW search list; it must be >= CANDIDATES)
+  CANDIDATES (50), KEEP (5), RESCORE (4 x CANDIDATES: binary candidates rescored with float vectors),
+  EF_SEARCH (100: pgvector's HNSW search list; raised to RESCORE when smaller: an index scan returns no more)
   PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE
 One JSON line per query: the candidates (ids, nearest first), the kept ids (best first) with their rerank
 scores, and each stage's latency in milliseconds.
@@ -44,6 +47,7 @@ RERANK_HOST = os.environ.get("RERANK_HOST", "")
 CANDIDATES = int(os.environ.get("CANDIDATES", "50"))
 KEEP = int(os.environ.get("KEEP", "5"))
 EF_SEARCH = int(os.environ.get("EF_SEARCH", "100"))
+RESCORE = int(os.environ.get("RESCORE", str(4 * CANDIDATES)))
 
 
 def post(url: str, body: dict, headers: dict) -> object:
@@ -74,8 +78,13 @@ def embed_query(text: str) -> tuple[list[float], str]:
 
 
 def search(cur, vector: list[float], table: str = "passages") -> list[tuple[str, str]]:
-    cur.execute(f"SELECT id, body FROM {table} ORDER BY embedding <=> %s::vector LIMIT %s",
-                (json.dumps(vector), CANDIDATES))
+    """The RESCORE nearest passages by Hamming distance between sign bits (the server's `ubinary` form of the same
+    vector: a sign is the same whoever takes it), then the CANDIDATES nearest of those by cosine distance."""
+    bits = "".join("1" if x > 0 else "0" for x in vector)
+    bits += "0" * (-len(bits) % 8)  # packed to whole bytes, as the server packs them
+    cur.execute(f"SELECT id, body FROM (SELECT id, body, embedding FROM {table} ORDER BY bits <~> %s::bit({len(bits)}) "
+                "LIMIT %s) AS binary_candidates ORDER BY embedding <=> %s::vector LIMIT %s",
+                (bits, RESCORE, json.dumps(vector), CANDIDATES))
     return cur.fetchall()
 
 
@@ -88,7 +97,7 @@ def rerank(query: str, bodies: list[str]) -> list[dict]:
 def main(queries: list[str]) -> None:
     conn = psycopg2.connect("")
     cur = conn.cursor()
-    cur.execute(f"SET hnsw.ef_search = {max(EF_SEARCH, CANDIDATES)}")
+    cur.execute(f"SET hnsw.ef_search = {min(1000, max(EF_SEARCH, CANDIDATES, RESCORE))}")
     for q in queries:
         t0 = time.perf_counter()
         vector, table = embed_query(q)

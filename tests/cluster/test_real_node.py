@@ -362,8 +362,9 @@ def test_z_down_leaves_nothing_then_back(kube, real):
     from kubernetes import config
 
     from localcluster import controlplane, node
+    from tests.conftest import session_run_dir
 
-    cluster = controlplane.Cluster(run_dir=controlplane.default_run_dir() / "pytest", real_node=True)
+    cluster = controlplane.Cluster(run_dir=session_run_dir(), real_node=True)
     rec = node.RealNode.record()
     assert rec and rec["owner"] == str(cluster._node().run_dir)
     assert "kube-router" in [p["name"] for p in rec["procs"]]

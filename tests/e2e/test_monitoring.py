@@ -30,10 +30,11 @@ NAME = "monitored"
 @pytest.fixture(scope="module")
 def stack(kube, real):  # noqa: F811 - the fixture imported above
     from localcluster import controlplane
+    from tests.conftest import session_run_dir
 
     if real.local_node is None:
         pytest.skip("the monitoring stack is built into the local cluster only")
-    cluster = controlplane.Cluster(run_dir=controlplane.default_run_dir() / "pytest", real_node=None)
+    cluster = controlplane.Cluster(run_dir=session_run_dir(), real_node=None)
     return monitoring.up(kube, cluster)
 
 
@@ -344,19 +345,22 @@ def operator_scraped(kube, ns, stack, operator, monitored):
 
 def test_every_dashboard_query_returns_data_under_load(kube, real, ns, svc, stack, monitored, operator_scraped):
     """Each panel of the chart's dashboard (scripts/dashboard.py) as Grafana would send it for this
-    service, on the live Prometheus after 30 s of load."""
+    service, on the live Prometheus after 30 s of load. The answer cache's row is empty for this service (no
+    spec.answerCache: its series are exported only while the cache is on, and its repeated texts would keep the
+    queue the KEDA tests need empty); Prometheus still parses those queries (an error answer raises), and the
+    series they read are tested on the server (tests/server/test_answer_cache.py)."""
     from scripts.dashboard import PANELS
 
     texts = [f"passage {i} for the dashboard's panels " * 6 for i in range(8)]
     with _load(kube, real, svc, ns, "load-dashboard", 16, 40, texts):
         time.sleep(30)
         empty, values = [], {}
-        for _, title, _, queries, _ in PANELS:
+        for row, title, _, queries, _ in PANELS:
             for expr, legend in queries:
                 q = expr.replace("$namespace", ns).replace("$service", NAME).replace("$__rate_interval", "1m")
                 result = stack.query(q)
                 values[f"{title} / {legend}"] = [round(float(r["value"][1]), 4) for r in result]
-                if not result:
+                if not result and row != "Answer cache":
                     empty.append(f"{title} / {legend}: {q}")
     print("dashboard under load:\n" + "\n".join(f"  {k}: {v}" for k, v in values.items()))
     assert not empty, empty

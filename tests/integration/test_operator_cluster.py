@@ -484,7 +484,7 @@ def test_missing_optional_crds_give_conditions_then_are_picked_up(ctx, operator)
         assert obj["metadata"]["ownerReferences"][0]["uid"] == uid
     # /embed_all only with gateway.embedAll (its answers are tokens x width floats: issue 53)
     assert [r["matches"][0]["path"]["value"] for r in route["spec"]["rules"]] == \
-        ["/v1/embeddings", "/embed", "/v1/models"]
+        ["/v1/embeddings", "/embed", "/v2/embed", "/v1/models"]
     wait_for("HPA pruned", lambda: not [h for h in ctx.autoscaling.list_namespaced_horizontal_pod_autoscaler(
         NS).items if h.metadata.name == "opt"], 60)
 
