@@ -34,10 +34,20 @@ def _key_bytes(item: Any) -> int:
 @dataclass
 class Lookup:
     """What the cache had for one request: ``results`` (an answer, or None where it must be computed) and the
-    keys of the inputs to compute (``missing``: their indices), which the engine inserts once answered."""
+    keys of the inputs to compute (``missing``: their indices), which `keep` inserts once they are answered."""
+    cache: "AnswerCache"
     results: list
     keys: list
     missing: list[int]
+
+    @property
+    def hits(self) -> int:
+        return len(self.results) - len(self.missing)
+
+    def keep(self) -> None:
+        """The computed answers (in ``results`` now) into the cache."""
+        for i in self.missing:
+            self.cache.put(self.keys[i], self.results[i])
 
 
 class AnswerCache:
@@ -67,7 +77,7 @@ class AnswerCache:
             results.append(got)
         self.hits += len(items) - len(missing)
         self.misses += len(missing)
-        return Lookup(results, keys, missing)
+        return Lookup(self, results, keys, missing)
 
     def put(self, key: Hashable, value: np.ndarray) -> None:
         """Keep a copy of ``value`` (an engine answer is a row of its batch's array: a view would hold the whole

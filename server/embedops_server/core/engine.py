@@ -96,7 +96,7 @@ class Request:
     __slots__ = (
         "future", "loop", "n", "remaining", "results", "need_tokens", "cancelled", "done",
         "t_start", "t_tokenized", "t_queue", "t_infer", "tokens", "outputs",
-        "t_batched", "t_forward", "t_forwarded", "t_done", "batch_rows", "beside", "lane", "cache", "cached",
+        "t_batched", "t_forward", "t_forwarded", "t_done", "batch_rows", "beside", "lane", "cached",
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, n: int, need_tokens: bool,
@@ -120,8 +120,7 @@ class Request:
         # multi-output request (bge-m3): each result is a dict of these outputs; None: the pooled vector
         self.outputs = outputs
         self.lane = ""  # the lane (core/lanes.py) whose engine runs it; "" without lanes
-        self.cache: tuple | None = None  # (AnswerCache, Lookup): its computed answers go to the cache when done
-        self.cached = 0  # inputs answered from the cache
+        self.cached: Lookup | None = None  # what the answer cache had: its computed answers join it when done
 
 
 @dataclass
@@ -221,16 +220,13 @@ class Engine:
         urgent = bool(self.urgent_lane) and req.lane == self.urgent_lane
         index = range(len(texts))
         if cached is not None:
-            req.results = cached.results
-            req.cached = len(texts) - len(cached.missing)
-            req.remaining = len(cached.missing)
+            req.cached, req.results, req.remaining = cached, cached.results, len(cached.missing)
             if not cached.missing:  # every input answered: no tokenizer, queue or forward
                 req.t_tokenized = req.t_done = time.perf_counter()
                 req.future.set_result(req.results)
                 return req
-            req.cache = (self.cache, cached)
             index = cached.missing
-            if req.cached:
+            if cached.hits:
                 texts = [texts[i] for i in index]
         n = len(texts)
         with self._cv:
@@ -540,10 +536,8 @@ def _finish_all(reqs: list[Request]) -> None:
     t = time.perf_counter()
     for req in reqs:
         req.t_done = t
-        if req.cache is not None:
-            cache, cached = req.cache
-            for i in cached.missing:
-                cache.put(cached.keys[i], req.results[i])
+        if req.cached is not None:
+            req.cached.keep()
         if not req.future.done():
             req.future.set_result(req.results)
 

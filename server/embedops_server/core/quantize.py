@@ -18,27 +18,22 @@ FLOAT, BASE64, BINARY, UBINARY, INT8, UINT8 = "float", "base64", "binary", "ubin
 CALIBRATED = (INT8, UINT8)  # need the space's ranges per dimension: refused for now (see above)
 
 
-def packed_bits(v: np.ndarray) -> np.ndarray:
+def ubinary(v: np.ndarray) -> np.ndarray:
     """[n, d] floats -> [n, ceil(d / 8)] uint8: bit i of a row is 1 where v[:, i] > 0 (big-endian bit order; the
     last byte zero-padded when d is not a multiple of 8)."""
     return np.packbits(v > 0, axis=-1)
 
 
-def ubinary(v: np.ndarray) -> np.ndarray:
-    return packed_bits(v)
-
-
 def binary(v: np.ndarray) -> np.ndarray:
-    return (packed_bits(v).astype(np.int16) - 128).astype(np.int8)
+    return (ubinary(v).astype(np.int16) - 128).astype(np.int8)
 
 
-def refuse_calibrated(kinds) -> str | None:
-    """The message for a request of int8 or uint8 (None when it asks for none)."""
-    asked = [k for k in kinds if k in CALIBRATED]
-    if not asked:
+def refusal(kind: str) -> str | None:
+    """Why a request of int8 or uint8 is refused (None for a served type)."""
+    if kind not in CALIBRATED:
         return None
-    return (f"Input validation error: embedding type {', '.join(asked)} needs the embedding space's ranges per "
-            "dimension, which this server does not compute yet; float, base64, binary and ubinary are served")
+    return (f"embedding type {kind} needs the embedding space's ranges per dimension, which this server does not "
+            "compute yet; float, base64, binary and ubinary are served")
 
 
 def as_type(v: np.ndarray, kind: str) -> np.ndarray:

@@ -1,7 +1,6 @@
 """OpenAI embeddings and Cohere/Jina-style rerank routes."""
 from __future__ import annotations
 
-import base64
 import time
 import uuid
 from typing import Annotated
@@ -29,17 +28,10 @@ async def openai_embeddings(request: Request, body: OpenAIEmbeddingRequest):
     texts = st.texts(svc, body.input, st.prompt(svc, None), field="input")
     results, req = await st.run(request, svc, texts, st.settings.auto_truncate, "right")
     v = scoring.dense(results, body.dimensions, True, svc.backend.hidden_size)
-    if body.embedding_type != quantize.FLOAT:
-        # the packed bytes as they are (base64), or as integers: binary -128..127, ubinary 0..255
-        q = quantize.as_type(v, body.embedding_type)
-        data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(q[i].tobytes()).decode()
-                 if body.encoding_format == "base64" else q[i]} for i in range(len(q))]
-    elif body.encoding_format == "base64":
-        le = v.astype("<f4", copy=False)  # little-endian float32 bytes, what the OpenAI SDK decodes
-        data = [{"object": "embedding", "embedding": base64.b64encode(le[i].tobytes()).decode(), "index": i}
-                for i in range(len(le))]
-    else:
-        data = [{"object": "embedding", "embedding": v[i], "index": i} for i in range(len(v))]
+    # binary and ubinary: the packed bytes (base64), or integers (-128..127, 0..255)
+    q = quantize.as_type(v, body.embedding_type)
+    data = [{"object": "embedding", "embedding": scoring.b64(q[i]) if body.encoding_format == "base64" else q[i],
+             "index": i} for i in range(len(q))]
     count_success(st, "embed", len(texts), t0)
     observe_phases(st, req)
     model = st.settings.served_model_name or st.settings.model_id
@@ -77,8 +69,7 @@ async def cohere_embed(request: Request, body: CohereEmbedRequest):
         if kind == quantize.FLOAT:
             out[kind] = v
         elif kind == quantize.BASE64:
-            le = v.astype("<f4", copy=False)
-            out[kind] = [base64.b64encode(le[i].tobytes()).decode() for i in range(len(le))]
+            out[kind] = [scoring.b64(row) for row in v]
         else:
             out[kind] = quantize.as_type(v, kind)
     count_success(st, "embed", len(texts), t0)

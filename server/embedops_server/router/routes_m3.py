@@ -9,7 +9,6 @@ and serializes (numpy, no tensors).
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
 from typing import Annotated, Literal
 
@@ -102,10 +101,6 @@ async def _run(request: Request, body, wanted: list[str]):
     return st, svc, results, req, t0
 
 
-def _b64(a: np.ndarray) -> str:
-    return base64.b64encode(np.ascontiguousarray(a, dtype="<f4").tobytes()).decode("ascii")
-
-
 def lexical(rows: list[tuple[np.ndarray, np.ndarray]]) -> list[list[dict]]:
     """TEI's sparse shape: per input [{"index": token id, "value": weight}] (ids ascending)."""
     return [[{"index": i, "value": x} for i, x in zip(ids.tolist(), w.tolist())] for ids, w in rows]
@@ -150,7 +145,7 @@ async def embed_hybrid(request: Request, body: HybridRequest):
     cols: dict[str, list] = {}
     if DENSE in wanted:
         d = scoring.dense([r[DENSE] for r in results], body.dimensions, body.normalize, svc.backend.hidden_size)
-        cols[DENSE] = [_b64(v) for v in d] if body.encoding_format == "base64" else list(d)
+        cols[DENSE] = [scoring.b64(v) for v in d] if body.encoding_format == "base64" else list(d)
     if LEXICAL in wanted:
         cols[LEXICAL] = lexical([r[LEXICAL] for r in results])
     vectors = _ColbertRows([r[COLBERT] for r in results] if COLBERT in wanted else [], body)
@@ -172,7 +167,7 @@ class _ColbertRows:
     def __call__(self, i: int):
         v = scoring.truncate_normalize(self.raw[i], self.body.dimensions, self.body.normalize)
         self.raw[i] = None
-        return _b64(v) if self.body.encoding_format == "base64" else v
+        return scoring.b64(v) if self.body.encoding_format == "base64" else v
 
 
 OFF_LOOP_FLOATS = 1 << 16  # ~30 ms of orjson: above this a body is serialized in a worker thread and streamed

@@ -61,9 +61,9 @@ class _Base(BaseModel):
 # and ubinary are the sign bits packed eight to a byte, as Cohere's /v2/embed gives them
 def _served_type(v):
     """int8 and uint8 (Cohere's types too) are not in the schema; asked for, the 422 says why."""
-    refused = quantize.refuse_calibrated([v]) if isinstance(v, str) else None
+    refused = quantize.refusal(v) if isinstance(v, str) else None
     if refused:
-        raise ValueError(refused.removeprefix("Input validation error: "))
+        raise ValueError(refused)
     return v
 
 

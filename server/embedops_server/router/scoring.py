@@ -1,6 +1,8 @@
 """Numpy post-processing of engine outputs (runs on the event loop; vectorized, microseconds per request)."""
 from __future__ import annotations
 
+import base64
+
 import numpy as np
 
 from ..core.errors import VALIDATION
@@ -22,6 +24,14 @@ def truncate_normalize(v: np.ndarray, dimensions: int | None, normalize: bool) -
     if normalize:
         v = v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
     return np.ascontiguousarray(v)
+
+
+def b64(a: np.ndarray) -> str:
+    """An array's bytes, base64: floats as little-endian float32 (what OpenAI's SDK decodes), packed bits (binary,
+    ubinary) as they are."""
+    if a.dtype.kind == "f":
+        a = a.astype("<f4", copy=False)
+    return base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii")
 
 
 def sparse(results: list) -> list[list[dict]]:

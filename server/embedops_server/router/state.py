@@ -197,7 +197,8 @@ class AppState:
             "x-inference-time": f"{req.t_infer * 1000 / n:.3f}",
             "x-compute-tokens": str(req.tokens),
             LANE_HEADER: req.lane,
-            **({CACHE_HEADER: str(req.cached)} if self.service and self.service.cache is not None else {}),
+            **({CACHE_HEADER: str(req.cached.hits if req.cached else 0)}
+               if self.service and self.service.cache is not None else {}),
         }
 
 

@@ -46,8 +46,8 @@ def server_timing(req, t_received: float, now: float) -> bytes:
         parts.append(f"batch;desc={req.batch_rows}")
     if req.beside:
         parts.append("beside;desc=1")
-    if req.cached:
-        parts.append(f"cache;desc={req.cached}")
+    if req.cached is not None and req.cached.hits:
+        parts.append(f"cache;desc={req.cached.hits}")
     return ", ".join(parts).encode()
 
 
