@@ -6,8 +6,12 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import heap
 from .backends.base import Backend, cpu_threads
+from .core import quantize
+from .core.engine import Batch
 from .core.cache import AnswerCache
 from .core.engine import Engine, EngineStats
 from .core.lanes import Lanes
@@ -32,6 +36,7 @@ class Service:
     space: EmbeddingSpace | None = None
     lanes: Lanes | None = None  # the engines by lane (core/lanes.py); `engine` is its interactive lane's
     cache: AnswerCache | None = None  # --answer-cache-bytes (core/cache.py), shared by the lanes' engines
+    int8: quantize.Int8Scale | None = None  # the space's int8 scale (core/quantize.py); None: int8 is not served
 
     def __post_init__(self):
         if self.lanes is None:
@@ -191,10 +196,45 @@ def build_service(s: Settings, stats: EngineStats | None = None, tuning: Tuning 
     graphs = getattr(backend, "_graphs", None)
     if graphs is not None:  # torch on CUDA: capture the one-query shapes now, not on the first request
         graphs.capture_small(min(max_len, 128))
+    int8 = int8_scale(info, backend, tokenizers, default_prompt(s, info), max_len)
     released += heap.release_free_memory() or 0  # and what the warm-up's forward freed
     if released > 0:
         log.info("start-up: %d MiB of freed heap returned to the kernel", released >> 20)
-    return Service(s, info, backend, engine, tokenizers, max_len, time.perf_counter() - t0, space, lanes, cache)
+    return Service(s, info, backend, engine, tokenizers, max_len, time.perf_counter() - t0, space, lanes, cache,
+                   int8)
+
+
+def int8_scale(info: ModelInfo, backend: Backend, tokenizers: TokenizerPool, prompt: str | None, max_len: int,
+               rows: int = 64) -> quantize.Int8Scale | None:
+    """The space's int8 scale, measured at start on the model's own vocabulary words (core/quantize.py) with the
+    default prompt, as served: 256 short inputs, a few forwards (MiniLM on CPU: ~0.1 s). None for models that give
+    no dense vector, or when the forward fails (int8 is then refused, saying why; the server still serves)."""
+    if info.task != EMBEDDER or DENSE not in info.outputs:
+        return None
+    t0 = time.perf_counter()
+    try:
+        words = quantize.calibration_words(tokenizers.tokenizer.get_vocab())
+        encodings = tokenizers.encode_untruncated([(prompt or "") + w for w in words])
+        pooled = []
+        for i in range(0, len(encodings), rows):
+            chunk = [e.ids[:max_len] for e in encodings[i:i + rows]]
+            width = max(len(ids) for ids in chunk)
+            ids = np.full((len(chunk), width), backend.pad_id or 0, dtype=np.int64)
+            mask = np.zeros_like(ids)
+            for r, row in enumerate(chunk):
+                ids[r, :len(row)] = row
+                mask[r, :len(row)] = 1
+            out = backend.forward(Batch(ids, mask, np.zeros_like(ids), mask.sum(1)))
+            pooled.append(np.asarray(out.pooled[:len(chunk)], dtype=np.float32))
+        vectors = np.concatenate(pooled)
+        vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        scale = quantize.Int8Scale(vectors)
+    except Exception as exc:  # noqa: BLE001 - a start-up extra: the float vectors are served either way
+        log.warning("int8 is not served: measuring its scale failed: %s", exc)
+        return None
+    log.info("int8 scale %.3g measured on %d vocabulary words in %.2f s", scale.scale, len(words),
+             time.perf_counter() - t0)
+    return scale
 
 
 def make_lanes(s: Settings, backend: Backend, tokenizers: TokenizerPool, max_len: int,

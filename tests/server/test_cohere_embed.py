@@ -1,7 +1,7 @@
 """Cohere's v2 embed route (issue 56): Cohere's own SDK works unchanged against it, and every served type agrees
 with the reference: float with the TEI route's normalized vector, binary and ubinary with sentence-transformers'
-`quantize_embeddings`, base64 with the float vector's little-endian float32 bytes. int8 and uint8, which need the
-embedding space's calibration ranges, are refused with a 422 that says so, never answered from ranges of its own."""
+`quantize_embeddings`, base64 with the float vector's little-endian float32 bytes, int8 and uint8 the float vector at the
+space's one scale (core/quantize.py), which /info shows, so that a client can check or undo it."""
 from __future__ import annotations
 
 import base64
@@ -27,6 +27,31 @@ def test_binary_packing_is_the_references():
         assert quantize.binary(v).dtype == np.int8 and quantize.ubinary(v).dtype == np.uint8
 
 
+
+def test_int8_is_one_symmetric_scale():
+    v = np.array([[0.5, -0.25, 0.0, 0.9, -2.0]], dtype=np.float32)
+    assert quantize.int8(v, 0.5).tolist() == [[127, -64, 0, 127, -127]]  # clipped to -127..127, zero stays zero
+    assert quantize.uint8(v, 0.5).tolist() == [[255, 64, 128, 255, 1]]
+    assert quantize.significant(0.276543) == 0.277 and quantize.significant(0.0012345) == 0.00123
+    rng = np.random.default_rng(0)
+    unit = rng.standard_normal((500, 384)).astype(np.float32)
+    unit /= np.linalg.norm(unit, axis=1, keepdims=True)
+    scale = quantize.Int8Scale(unit)
+    # the 0.9999 quantile of |components| of unit vectors of 384 Gaussian dimensions: ~3.9 sigma, sigma = 1/sqrt(384)
+    assert 0.17 < scale.scale < 0.22 and scale.for_dimensions(384) == scale.scale
+    assert scale.for_dimensions(96) > 1.8 * scale.scale  # truncated and renormalized: larger components
+
+
+def test_calibration_words_are_whole_words_of_any_tokenizer():
+    wordpiece = {"[PAD]": 0, "[unused3]": 1, "the": 2, "##ing": 3, "cat": 4, "a": 5, "naïve": 6, "12th": 7, "house": 8,
+                 "\u4e2d": 9}
+    assert quantize.calibration_words(wordpiece) == ["the", "cat", "naïve", "house", "\u4e2d"]
+    sentencepiece = {"<s>": 0, "\u2581the": 1, "ing": 2, "\u2581ab": 3, "\u2581house": 4}
+    assert quantize.calibration_words(sentencepiece) == ["the", "ing", "house"]
+    many = {f"w{'x' * (i % 7)}{chr(97 + i % 26)}{chr(97 + i // 26 % 26)}": i for i in range(5000)}
+    words = quantize.calibration_words({k: v for k, v in many.items() if k.isalpha()}, n=256)
+    assert len(words) == 256 and words == quantize.calibration_words(dict(reversed(list(many.items()))), n=256)
+
 def test_cohere_sdk_gets_every_served_type(minilm_ort):
     import cohere
 
@@ -42,6 +67,10 @@ def test_cohere_sdk_gets_every_served_type(minilm_ort):
     decoded = np.stack([np.frombuffer(base64.b64decode(b), dtype="<f4") for b in r.embeddings.base64])
     assert np.array_equal(decoded, got)
     assert r.texts == TEXTS and r.meta.billed_units.input_tokens > 0
+    scale = httpx.get(minilm_ort + "/info", timeout=60).json()["int8"]["scale"]
+    r = co.embed(texts=TEXTS, model="minilm", input_type="search_document", embedding_types=["int8", "uint8"])
+    assert np.array_equal(np.array(r.embeddings.int8), quantize.int8(ref, scale))
+    assert np.array_equal(np.array(r.embeddings.uint8), np.array(r.embeddings.int8) + 128)
 
 
 def test_options_truncation_and_refusals(minilm_ort):
@@ -58,9 +87,14 @@ def test_options_truncation_and_refusals(minilm_ort):
     start = httpx.post(url, json={"texts": [long], "truncate": "START"}, timeout=60).json()["embeddings"]["float"]
     end = httpx.post(url, json={"texts": [long], "truncate": "END"}, timeout=60).json()["embeddings"]["float"]
     assert not np.allclose(start, end)
-    for types in (["int8"], ["float", "uint8"]):
-        r = httpx.post(url, json={"texts": TEXTS, "embedding_types": types}, timeout=60)
-        assert r.status_code == 422 and "ranges per dimension" in r.json()["error"], r.text
+    r = httpx.post(url, json={"texts": TEXTS[:1], "embedding_types": ["float", "int8"], "output_dimension": 64},
+                   timeout=60).json()["embeddings"]
+    scale = httpx.get(minilm_ort + "/info", timeout=60).json()["int8"]["scale"]
+    # a truncated, renormalized vector has larger components: its scale is measured on vectors truncated alike
+    # (the full vector's would leave it a narrower range of integers and clip its largest components)
+    f, i = np.array(r["float"], dtype=np.float32), np.array(r["int8"], dtype=np.float32)
+    assert i.shape == (1, 64) and np.corrcoef(f[0], i[0])[0, 1] > 0.999
+    assert np.abs(f).max() * 127 / np.abs(i).max() > 1.5 * scale
     for bad in ({"texts": []}, {"texts": TEXTS, "embedding_types": ["int4"]}, {"texts": TEXTS, "truncate": "MIDDLE"},
                 {"texts": TEXTS, "input_type": "image"}):
         r = httpx.post(url, json=bad, timeout=60)
@@ -103,7 +137,33 @@ def test_tei_and_openai_routes_take_the_same_types(minilm_ort):
         raw = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype=np.int8 if kind == "binary"
                                       else np.uint8) for d in packed])
         assert np.array_equal(raw, quantize.as_type(ref, kind))
-    for route, body in (("/embed", {"inputs": TEXTS, "embedding_type": "int8"}),
-                        ("/v1/embeddings", {"input": TEXTS, "embedding_type": "uint8"})):
-        r = httpx.post(minilm_ort + route, json=body, timeout=60)
-        assert r.status_code == 422 and "ranges per dimension" in r.text, r.text
+    scale = httpx.get(minilm_ort + "/info", timeout=60).json()["int8"]["scale"]
+    for kind, dtype in (("int8", np.int8), ("uint8", np.uint8)):
+        want = quantize.as_type(ref, kind, scale)
+        got = httpx.post(minilm_ort + "/embed", json={"inputs": TEXTS, "embedding_type": kind}, timeout=60).json()
+        assert np.array_equal(np.array(got), want) and len(got[0]) == 384, kind
+        packed = httpx.post(minilm_ort + "/v1/embeddings", json={"input": TEXTS, "model": "m", "embedding_type": kind,
+                                                                 "encoding_format": "base64"}, timeout=60).json()["data"]
+        raw = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype=dtype) for d in packed])
+        assert np.array_equal(raw, want) and raw.nbytes == 3 * 384  # 4x fewer bytes than float32
+    r = httpx.post(minilm_ort + "/embed", json={"inputs": TEXTS, "embedding_type": "int8", "normalize": False},
+                   timeout=60)
+    assert r.status_code == 422 and "normalized" in r.json()["error"], r.text
+
+
+def test_int8_ranks_like_float(minilm_ort):
+    """What an index does with int8 vectors: compares them as they are. One scale for the space changes every dot
+    product by the same factor, so the ranking is float32's up to rounding."""
+    docs = ["The capital of France is Paris.", "Bananas are rich in potassium.", "A GPU runs many threads at once.",
+            "Rust has no garbage collector.", "The Nile flows north into the Mediterranean."]
+    queries = ["Which city is France's capital?", "What fruit has potassium?", "Which river ends in the Mediterranean?"]
+    body = {"embedding_types": ["float", "int8"]}
+    d = httpx.post(minilm_ort + "/v2/embed", json={"texts": docs, **body}, timeout=60).json()["embeddings"]
+    q = httpx.post(minilm_ort + "/v2/embed", json={"texts": queries, **body}, timeout=60).json()["embeddings"]
+    by_float = np.argsort(-(np.array(q["float"]) @ np.array(d["float"]).T), axis=1)
+    by_int8 = np.argsort(-(np.array(q["int8"], dtype=np.int32) @ np.array(d["int8"], dtype=np.int32).T), axis=1)
+    assert np.array_equal(by_float[:, 0], [0, 1, 4]) and np.array_equal(by_int8, by_float)
+    scale = httpx.get(minilm_ort + "/info", timeout=60).json()["int8"]["scale"]
+    undone = np.array(d["int8"]) * scale / 127  # what a client that needs floats back computes
+    assert np.abs(undone - np.array(d["float"])).max() <= scale / 127 / 2 + 1e-6
+

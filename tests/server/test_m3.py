@@ -67,6 +67,9 @@ def test_matches_flagembedding(backend, quantize, m3_dir, flag_ref, tmp_path):
     with run_server(model_id=str(m3_dir), backend=backend, onnx_cache=str(tmp_path), **kw) as (url, st):
         info = httpx.get(url + "/info").json()
         assert info["outputs"] == ["dense", "sparse", "colbert"] and info["colbert_dim"] == 64
+        # the dense vector's int8 scale, measured at start through this backend's forward (core/quantize.py)
+        assert 0 < info["int8"]["scale"] <= 1
+        int8 = httpx.post(url + "/embed", json={"inputs": M3_TEXTS, "embedding_type": "int8"}, timeout=120).json()
         r = httpx.post(url + "/embed_hybrid", json={"inputs": M3_TEXTS}, timeout=120)
         assert r.status_code == 200, r.text
         got = r.json()
@@ -77,8 +80,9 @@ def test_matches_flagembedding(backend, quantize, m3_dir, flag_ref, tmp_path):
         colbert = httpx.post(url + "/embed_colbert", json={"inputs": M3_TEXTS}, timeout=120).json()
         b64 = httpx.post(url + "/embed_hybrid", json={"inputs": M3_TEXTS, "encoding_format": "base64"},
                          timeout=120).json()
-    for g, d, s, c, b in zip(got, dense, sparse, colbert, b64):
+    for g, d, s, c, b, q in zip(got, dense, sparse, colbert, b64, int8):
         assert np.allclose(g["dense"], d, atol=1e-6)
+        assert np.array_equal(q, np.clip(np.rint(np.float32(d) * 127 / info["int8"]["scale"]), -127, 127))
         assert [e["index"] for e in g["sparse"]] == [e["index"] for e in s]
         assert np.allclose([e["value"] for e in g["sparse"]], [e["value"] for e in s], atol=1e-6)
         assert np.allclose(g["colbert"], c, atol=1e-6)

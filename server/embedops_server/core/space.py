@@ -15,7 +15,9 @@ side on real servers (`python -m bench.space`, docs/server.md "The embedding spa
 - not the dtype (float16: cosine 0.999999 min with float32, bfloat16 0.99993; top-10 overlap 0.999 and 0.996) nor
   the backend (ONNX Runtime and torch at float32 agree to 1.000000), so a GPU query service in float16 and a CPU
   ingestion service in float32 of the same model share one space; nor per-request choices (`normalize`,
-  `dimensions`, `prompt_name`, `truncate`), which the client makes and stores beside its vectors.
+  `dimensions`, `prompt_name`, `truncate`, `embedding_type`), which the client makes and stores beside its vectors;
+  nor the int8 scale measured at start (core/quantize.py: one factor for every dimension, so int8 vectors made at
+  two scales rank alike).
 """
 from __future__ import annotations
 

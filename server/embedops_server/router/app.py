@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from .. import __version__
+from ..core import quantize
 from ..core.engine import EngineStats
 from ..core.model_info import ModelError
 from ..service import build_service
@@ -156,6 +157,9 @@ def create_app(settings: Settings, service=None,
             # core/cache.py: exact-match answers of this space, bounded by bytes (null: off)
             "answer_cache": {"max_bytes": svc.cache.max_bytes, "bytes": svc.cache.bytes, "entries": len(svc.cache),
                              "hits": svc.cache.hits, "misses": svc.cache.misses} if svc.cache else None,
+            # core/quantize.py: int8 = round(v * 127 / scale) of the normalized vector (uint8: + 128); null: not served
+            "int8": {"scale": svc.int8.scale, "calibration": f"{quantize.CALIBRATION_WORDS} vocabulary words",
+                     "quantile": quantize.CALIBRATION_QUANTILE} if svc.int8 else None,
             "max_client_batch_size": s.max_client_batch_size, "auto_truncate": s.auto_truncate,
             "tokenization_workers": svc.tokenizers.workers, "version": __version__, "sha": None,
             # the embedding space the vectors belong to (core/space.py): the `embedding-space` header's value

@@ -25,11 +25,12 @@ async def openai_embeddings(request: Request, body: OpenAIEmbeddingRequest):
     t0 = time.perf_counter()
     svc = st.require_task(EMBEDDER)
     st.check_dimensions(svc, body.dimensions)
+    scoring.check_types([body.embedding_type], svc.int8)
     texts = st.texts(svc, body.input, st.prompt(svc, None), field="input")
     results, req = await st.run(request, svc, texts, st.settings.auto_truncate, "right")
     v = scoring.dense(results, body.dimensions, True, svc.backend.hidden_size)
-    # binary and ubinary: the packed bytes (base64), or integers (-128..127, 0..255)
-    q = quantize.as_type(v, body.embedding_type)
+    # int8 and uint8: integers, or their bytes (base64); binary and ubinary: integers, or the packed bytes (base64)
+    q = scoring.typed(v, body.embedding_type, svc.int8, body.dimensions)
     data = [{"object": "embedding", "embedding": scoring.b64(q[i]) if body.encoding_format == "base64" else q[i],
              "index": i} for i in range(len(q))]
     count_success(st, "embed", len(texts), t0)
@@ -59,6 +60,7 @@ async def cohere_embed(request: Request, body: CohereEmbedRequest):
     t0 = time.perf_counter()
     svc = st.require_task(EMBEDDER)
     st.check_dimensions(svc, body.output_dimension)
+    scoring.check_types(body.embedding_types, svc.int8)
     names = [n for n in INPUT_TYPE_PROMPTS.get(body.input_type or "", ()) if n in svc.info.prompts]
     texts = st.texts(svc, body.texts, st.prompt(svc, names[0] if names else None), field="texts")
     truncate, direction = COHERE_TRUNCATE[body.truncate]
@@ -71,7 +73,7 @@ async def cohere_embed(request: Request, body: CohereEmbedRequest):
         elif kind == quantize.BASE64:
             out[kind] = [scoring.b64(row) for row in v]
         else:
-            out[kind] = quantize.as_type(v, kind)
+            out[kind] = scoring.typed(v, kind, svc.int8, body.output_dimension)
     count_success(st, "embed", len(texts), t0)
     observe_phases(st, req)
     return json_response({"id": str(uuid.uuid4()), "embeddings": out, "texts": list(body.texts),
@@ -80,7 +82,7 @@ async def cohere_embed(request: Request, body: CohereEmbedRequest):
 
 
 router.add_api_route("/v2/embed", cohere_embed, methods=["POST"], tags=["Cohere/Jina"],
-                     summary="Cohere v2 embed: float, base64, binary and ubinary vectors",
+                     summary="Cohere v2 embed: float, base64, int8, uint8, binary and ubinary vectors",
                      **route_doc(COHERE_EMBED_OK, EMBEDDER))
 
 

@@ -9,7 +9,6 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..core import quantize
 from ..core.errors import BACKEND, EMPTY, VALIDATION
 from ..core.model_info import CLASSIFIER, EMBEDDER, RERANKER, SPARSE
 from . import errors, scoring
@@ -90,9 +89,10 @@ async def embed(request: Request, body: EmbedRequest):
     if svc.info.task == SPARSE and body.normalize:
         raise ApiError(BACKEND, "`normalize` is not available for SPLADE models; pass normalize=false")
     st.check_dimensions(svc, body.dimensions)
+    scoring.check_types([body.embedding_type], svc.int8, body.normalize)
     results, req, t0 = await _embed_like(request, body, False, (EMBEDDER, SPARSE))
-    vecs = quantize.as_type(scoring.dense(results, body.dimensions, body.normalize, svc.backend.hidden_size),
-                            body.embedding_type)
+    vecs = scoring.typed(scoring.dense(results, body.dimensions, body.normalize, svc.backend.hidden_size),
+                         body.embedding_type, svc.int8, body.dimensions)
     return json_response(vecs, st.headers(req, t0))
 
 

@@ -12,7 +12,6 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
-from ..core import quantize
 
 
 @dataclass(frozen=True)
@@ -58,16 +57,8 @@ class _Base(BaseModel):
 
 
 # embedops' extension of TEI's /embed and OpenAI's /v1/embeddings: the vector's type (core/quantize.py); binary
-# and ubinary are the sign bits packed eight to a byte, as Cohere's /v2/embed gives them
-def _served_type(v):
-    """int8 and uint8 (Cohere's types too) are not in the schema; asked for, the 422 says why."""
-    refused = quantize.refusal(v) if isinstance(v, str) else None
-    if refused:
-        raise ValueError(refused)
-    return v
-
-
-EmbeddingType = Annotated[Literal["float", "binary", "ubinary"], BeforeValidator(_served_type)]
+# and ubinary are the sign bits packed eight to a byte, int8 and uint8 at the space's scale, as Cohere's /v2/embed
+EmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary"]
 
 
 class EmbedRequest(_Base):
@@ -148,7 +139,7 @@ class OpenAIEmbeddingRequest(_Base):
     embedding_type: EmbeddingType = "float"
 
 
-CohereEmbeddingType = Annotated[Literal["float", "binary", "ubinary", "base64"], BeforeValidator(_served_type)]
+CohereEmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
 
 
 class CohereEmbedRequest(_Base):

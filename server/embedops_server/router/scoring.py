@@ -5,6 +5,7 @@ import base64
 
 import numpy as np
 
+from ..core import quantize
 from ..core.errors import VALIDATION
 from .errors import ApiError
 
@@ -24,6 +25,25 @@ def truncate_normalize(v: np.ndarray, dimensions: int | None, normalize: bool) -
     if normalize:
         v = v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
     return np.ascontiguousarray(v)
+
+
+def check_types(kinds, int8: quantize.Int8Scale | None, normalize: bool = True) -> None:
+    """Refuse, before any forward, a vector type this server cannot give as asked (422, saying why)."""
+    scaled = [k for k in kinds if k in quantize.SCALED]
+    if not scaled:
+        return
+    if int8 is None:
+        raise ApiError(VALIDATION, f"Input validation error: embedding type {scaled[0]} is not served by this model "
+                                   "(it gives no dense vector, or its int8 scale could not be measured at start)")
+    if not normalize:
+        raise ApiError(VALIDATION, f"Input validation error: embedding type {scaled[0]} is of normalized vectors "
+                                   "(the space's int8 scale is); drop `normalize: false`")
+
+
+def typed(v: np.ndarray, kind: str, int8: quantize.Int8Scale | None, dimensions: int | None) -> np.ndarray:
+    """Normalized rows as `kind`; int8 and uint8 at the space's scale for vectors of that many dimensions."""
+    scale = int8.for_dimensions(dimensions) if int8 is not None and kind in quantize.SCALED else None
+    return quantize.as_type(v, kind, scale)
 
 
 def b64(a: np.ndarray) -> str:
