@@ -216,6 +216,7 @@ def test_a_request_larger_than_its_lanes_limit_is_refused_as_invalid_never_429()
     from embedops_server.core.lanes import Lanes
 
     engine = types.SimpleNamespace(in_flight=0, max_concurrent=16, retry_after=lambda: 1, urgent_lane=None)
+    engine.hold = lambda n: setattr(engine, "in_flight", engine.in_flight + n)
     lanes = Lanes.one(engine, enabled=True, batch_limit=12)
     with pytest.raises(EngineError) as err:
         lanes.admit(BATCH, 13)

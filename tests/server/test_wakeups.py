@@ -53,7 +53,7 @@ def test_arrivals_during_busy_forwards_with_the_slot_full_wake_nobody_and_join_t
 
     async def go():
         async def send(t):
-            engine.admit(1)
+            engine.hold(1)
             return engine.submit([t], True, "right")
 
         reqs = []

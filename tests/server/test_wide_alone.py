@@ -46,7 +46,7 @@ def run_load(pool, wide_alone: bool, texts: list[str], spacing_s: float):
     async def go():
         reqs = []
         for t in texts:
-            engine.admit(1)
+            engine.hold(1)
             reqs.append(engine.submit([t], True, "right"))
             await asyncio.sleep(spacing_s)
         return [(await asyncio.wait_for(r.future, 30))[0][0] for r in reqs]

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .cache import AnswerCache, Lookup
-from .errors import BACKEND, OVERLOADED, VALIDATION, EngineError
+from .errors import BACKEND, VALIDATION, EngineError
 from .queue import BatchQueue, Entry
 from .tokenization import EncodeJob, TokenizerPool
 
@@ -183,9 +183,9 @@ class Engine:
         return self._running > 0
 
     # ---- event-loop side -------------------------------------------------------------------
-    def admit(self, n: int) -> None:
-        if self.in_flight + n > self.max_concurrent:
-            raise EngineError(OVERLOADED, "Model is overloaded", retry_after=self.retry_after())
+    def hold(self, n: int) -> None:
+        """Count `n` admitted inputs in (Retry-After and the other lane read the count). Admission, the limits and
+        the 429, is the lanes' (core/lanes.py `Lanes.admit`): one place decides, whatever the engines."""
         self.in_flight += n
 
     def release(self, n: int) -> None:
@@ -206,7 +206,7 @@ class Engine:
     def submit(self, texts: Sequence, truncate: bool, direction: str, need_tokens: bool = False,
                outputs: Sequence[str] | None = None, alone: bool = True, lane: str = "",
                cached: Lookup | None = None) -> Request:
-        """Queue admitted inputs; await `request.future`. Caller must have called admit(len(texts)), or admit of
+        """Queue admitted inputs; await `request.future`. Caller must have called hold(len(texts)), or hold of
         the inputs ``cached`` (this engine's `lookup`) misses: only those are computed, the others are answered from
         the cache (all of them: the future is done on return), and the computed ones join the cache when done.
         ``outputs``: a multi-output request (any of "dense", "sparse", "colbert", which the backend's model must

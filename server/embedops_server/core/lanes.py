@@ -123,7 +123,7 @@ class Lanes:
 
     def admit(self, lane: str, n: int) -> None:
         """Count `n` inputs in, or raise EngineError(OVERLOADED) (429, Retry-After) if the lane's limit is full.
-        Event loop only (like Engine.admit)."""
+        Event loop only."""
         limit = self.max_concurrent if lane == INTERACTIVE or not self.enabled else self.batch_limit
         engine = self.engines[lane]
         if n > limit:  # never admissible, however idle the server: a 429 would be retried forever (the settings
@@ -133,11 +133,11 @@ class Lanes:
             # TEI's message when the whole budget is full; the batch lane's own limit says so
             which = " (batch lane)" if limit < self.max_concurrent else ""
             raise EngineError(OVERLOADED, f"Model is overloaded{which}", retry_after=engine.retry_after())
-        engine.in_flight += n  # (Retry-After reads the engine's own count against its throughput)
+        engine.hold(n)  # (Retry-After reads the engine's own count against its throughput)
         self._in_flight[lane] += n
 
     def release(self, lane: str, n: int) -> None:
-        self.engines[lane].in_flight -= n
+        self.engines[lane].release(n)
         self._in_flight[lane] -= n
 
     def admit_token_answer(self) -> None:
