@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     dims = dv["float"].shape[1]
     size = {"float32": dims * 4, "int8": dims, "binary": dv["bits"].shape[1]}
     print(f"all-MiniLM-L6-v2 ({dims} dims), int8 scale {scale}; labelled: {len(passages)} passages, {len(questions)} "
-          f"questions; agreement: {len(sq['float'])} queries against {len(sd['float'])} Python documentation sentences\n")
+          f"questions; agreement: {len(sq['float'])} queries against {len(sd['float'])} Python documentation "
+          "sentences\n")
     print("| retrieval | recall@10 | nDCG@10 | recall@1 | overlap@10 with float32 (Python docs) | bytes per vector |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, ranked in labelled_ranks.items():

@@ -207,7 +207,7 @@ def build_service(s: Settings, stats: EngineStats | None = None, tuning: Tuning 
 def int8_scale(info: ModelInfo, backend: Backend, tokenizers: TokenizerPool, prompt: str | None, max_len: int,
                rows: int = 64) -> quantize.Int8Scale | None:
     """The space's int8 scale, measured at start on the model's own vocabulary words (core/quantize.py) with the
-    default prompt, as served: 256 short inputs, a few forwards (MiniLM on CPU: ~0.1 s). None for models that give
+    default prompt, as served: 128 short inputs, a few forwards. None for models that give
     no dense vector, or when the forward fails (int8 is then refused, saying why; the server still serves)."""
     if info.task != EMBEDDER or DENSE not in info.outputs:
         return None

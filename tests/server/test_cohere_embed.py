@@ -1,7 +1,7 @@
 """Cohere's v2 embed route (issue 56): Cohere's own SDK works unchanged against it, and every served type agrees
 with the reference: float with the TEI route's normalized vector, binary and ubinary with sentence-transformers'
-`quantize_embeddings`, base64 with the float vector's little-endian float32 bytes, int8 and uint8 the float vector at the
-space's one scale (core/quantize.py), which /info shows, so that a client can check or undo it."""
+`quantize_embeddings`, base64 with the float vector's little-endian float32 bytes, int8 and uint8 the float vector
+at the space's one scale (core/quantize.py), which /info shows, so that a client can check or undo it."""
 from __future__ import annotations
 
 import base64
@@ -132,8 +132,8 @@ def test_tei_and_openai_routes_take_the_same_types(minilm_ort):
         oa = httpx.post(minilm_ort + "/v1/embeddings", json={"input": TEXTS, "model": "m", "embedding_type": kind},
                         timeout=60).json()["data"]
         assert np.array_equal(np.array([d["embedding"] for d in oa]), quantize.as_type(ref, kind))
-        packed = httpx.post(minilm_ort + "/v1/embeddings", json={"input": TEXTS, "model": "m", "embedding_type": kind,
-                                                                 "encoding_format": "base64"}, timeout=60).json()["data"]
+        body = {"input": TEXTS, "model": "m", "embedding_type": kind, "encoding_format": "base64"}
+        packed = httpx.post(minilm_ort + "/v1/embeddings", json=body, timeout=60).json()["data"]
         raw = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype=np.int8 if kind == "binary"
                                       else np.uint8) for d in packed])
         assert np.array_equal(raw, quantize.as_type(ref, kind))
@@ -142,8 +142,8 @@ def test_tei_and_openai_routes_take_the_same_types(minilm_ort):
         want = quantize.as_type(ref, kind, scale)
         got = httpx.post(minilm_ort + "/embed", json={"inputs": TEXTS, "embedding_type": kind}, timeout=60).json()
         assert np.array_equal(np.array(got), want) and len(got[0]) == 384, kind
-        packed = httpx.post(minilm_ort + "/v1/embeddings", json={"input": TEXTS, "model": "m", "embedding_type": kind,
-                                                                 "encoding_format": "base64"}, timeout=60).json()["data"]
+        body = {"input": TEXTS, "model": "m", "embedding_type": kind, "encoding_format": "base64"}
+        packed = httpx.post(minilm_ort + "/v1/embeddings", json=body, timeout=60).json()["data"]
         raw = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype=dtype) for d in packed])
         assert np.array_equal(raw, want) and raw.nbytes == 3 * 384  # 4x fewer bytes than float32
     r = httpx.post(minilm_ort + "/embed", json={"inputs": TEXTS, "embedding_type": "int8", "normalize": False},
