@@ -166,6 +166,7 @@ GATEWAY_API_VERSION = "v1.6.3"
 # ReferenceGrant and BackendTLSPolicy too, and never sync without their CRDs
 GATEWAY_CRDS = tuple(f"gateway.networking.k8s.io_{p}.yaml" for p in (
     "gatewayclasses", "gateways", "httproutes", "grpcroutes", "referencegrants", "backendtlspolicies"))
+OTELCOL_VERSION = "v0.165.0"  # the collector's modules of one release (v1.71.0 for the stable ones)
 TRAEFIK_VERSION = "v3.6.12"  # the v3.7 line needs module versions this machine's Go proxy refuses (403)
 MONITORING_CRDS = tuple(f"monitoring.coreos.com_{p}.yaml" for p in (
     "servicemonitors", "podmonitors", "prometheusrules", "probes", "scrapeconfigs", "prometheuses",
@@ -273,6 +274,13 @@ COMPONENTS: tuple[Component, ...] = (
                     patch="trim.py", patched_module="github.com/traefik/traefik/v3"),),
         ("traefik",), version_check=("version",),
         about="Traefik v3 with its Kubernetes Gateway API provider: routes the operator's HTTPRoutes"),
+    # Traces (issue 54), run as a pod on the real node by localcluster/tracing.py: the collector's core
+    # components the trace tests use (OTLP in, the debug exporter's log out), as the collector's builder would
+    # assemble them (recipes/otelcol/main.go)
+    Component(
+        "otelcol", OTELCOL_VERSION, (GoMain("otelcol", "otelcol", "go.opentelemetry.io/collector/otelcol", cgo=False),),
+        ("otelcol",), version_check=("--version",),
+        about="OpenTelemetry Collector: OTLP receiver (gRPC, HTTP), batch processor, debug exporter"),
     # NetworkPolicy on the real node (issue 35): kube-router's policy controller alone (no routing, no service
     # proxy), a host process beside kube-proxy. v2.1.0 is the only v2 release the module proxy serves here
     # (later ones: 403); sig-network's kube-network-policies needs nfqueue, which this kernel lacks
@@ -338,12 +346,13 @@ TESTS_START = (*DEMO, "helm", "kstatus")
 # the cluster lane (the longer one, whose monitoring module waited 462 s for Prometheus in a cold run that built
 # the Flux controllers first); promtool and actionlint; Flux's controllers last, for the local lane's last module.
 # The build beside the tests makes them in this order, two at a time.
-TESTS_LATE = ("traefik", "keda-controllers", "prometheus", "prometheus-operator", "prometheus-adapter", "actionlint",
+TESTS_LATE = ("traefik", "otelcol", "keda-controllers", "prometheus", "prometheus-operator", "prometheus-adapter", "actionlint",
               "source-controller", "kustomize-controller")
 MONITORING = ("prometheus-operator", "prometheus", "prometheus-operator-crds", "keda-controllers", "prometheus-adapter")
 GATEWAY = ("traefik", "gateway-api")
+TRACING = ("otelcol",)
 SETS = {"demo": DEMO, "tests": TESTS, "tests-start": TESTS_START, "control-plane": CONTROL_PLANE, "crds": CRDS,
-        "monitoring": MONITORING, "gateway": GATEWAY, "kind": KIND}
+        "monitoring": MONITORING, "gateway": GATEWAY, "tracing": TRACING, "kind": KIND}
 
 # The upstream CRDs by the short name the tests and the demo install them under
 # (component, its files; empty: all of them). "monitoring" is what Prometheus Operator itself needs to run.

@@ -28,6 +28,8 @@ class OperatorSettings(BaseSettings):
     server_image_cuda: str = Field("ghcr.io/embedops/embedops-server:0.1.0-cuda",
                                    description="the server image of GPU services")
     cluster_domain: str = Field("cluster.local", description="the cluster's DNS domain (service addresses)")
+    tracing_endpoint: str | None = Field(None, description="the OTLP/gRPC endpoint services without spec.tracing "
+                                         "export their traces to (default: none, no tracing)")
     # Running services whose spec did not change: "Keep" their pods as they are across operator upgrades (a new
     # server image or template revision waits for their next spec change), or "Roll" them to it, at most
     # `max_concurrent_upgrades` services at a time, each Ready before the next starts (reconcile.py)

@@ -284,6 +284,21 @@ class AnswerCache(Model):
         "replica's memory (its estimate, request and limit)."))
 
 
+class Tracing(Model):
+    """OpenTelemetry traces of the requests (the server's --otlp-endpoint, TEI's flag): a span per request with its
+    stages (parse, tokenize, queue, slot, forward, wake, respond) and the batch it rode in, under the caller's span
+    when the caller sends a W3C traceparent (docs/server.md#traces). Changing it rolls the pods in place (the
+    embedding space stays)."""
+    endpoint: str = Field(max_length=512, pattern=r"^https?://[A-Za-z0-9.\-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~/\-]*)?$",
+                          description="The OTLP endpoint of a collector, e.g. http://otel-collector.observability:4317 "
+                                      "(gRPC) or :4318 with protocol http/protobuf.")
+    protocol: Literal["grpc", "http/protobuf"] = Field("grpc", description="OTLP over gRPC (TEI's) or HTTP.")
+    service_name: str | None = Field(None, max_length=253, description=(
+        "The spans' service.name. Default: the EmbeddingService's name."))
+    sample_ratio: float = Field(1.0, ge=0, le=1, description=(
+        "Fraction of the requests that start a trace (a caller's sampled traceparent is always followed)."))
+
+
 class Autoscaling(Model):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, json_schema_extra={
         "x-kubernetes-validations": [cel("self.minReplicas <= self.maxReplicas",
@@ -554,6 +569,8 @@ class EmbeddingServiceSpec(Model):
         "give the batch lane its own address)."))
     answer_cache: AnswerCache | None = Field(None, description=(
         "Off unless set: an exact-match cache of answers per replica (docs/server.md#answer-cache)."))
+    tracing: Tracing | None = Field(None, description=(
+        "OpenTelemetry traces of the requests. Default: the operator's (the chart's tracing.endpoint), else off."))
     drain_seconds: int = Field(15, ge=0, le=600, description="preStop delay that lets in-flight requests finish.")
     rollout: Rollout | None = None
     migration: Migration = Field(default_factory=Migration, json_schema_extra={"default": {}}, description=(

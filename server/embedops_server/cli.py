@@ -126,10 +126,6 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(s)
     # Settings' repr hides api_key; log it as a boolean only.
     logging.getLogger("embedops_server").info("starting with %r (api key set: %s)", s, bool(s.api_key))
-    if s.otlp_endpoint:  # TEI's flag, accepted so a TEI command line starts; said rather than silently ignored
-        logging.getLogger("embedops_server").warning(
-            "--otlp-endpoint %s: this server exports no traces yet; per-request stage timings are in each answer's "
-            "Server-Timing header and in the Prometheus metrics", s.otlp_endpoint)
     from .router.server import serve
 
     serve(s, Tuning.from_environment())  # the EMBEDOPS_* switches, read once (checked by parse_args)

@@ -218,10 +218,13 @@ class Settings(EnvironmentSettings):
     prometheus_port: int | None = Field(None, ge=1, le=65535, description="serve /metrics on this port, and not on "
                                         "--port: a Service or NetworkPolicy can expose the API without the metrics "
                                         "(default: on --port, as TEI's HTTP build, which ignores this flag)")
-    otlp_endpoint: str | None = Field(None, description="accepted for TEI's command lines: no traces are exported "
-                                      "yet (a warning at start)")
-    otlp_service_name: str = Field("text-embeddings-inference.server", description="accepted for TEI's command "
-                                   "lines (with --otlp-endpoint)")
+    otlp_endpoint: str | None = Field(None, description="export a trace span per request, with its stages (parse, "
+                                      "tokenize, queue, slot, forward, wake, respond), to this OpenTelemetry "
+                                      "collector: OTLP over gRPC (e.g. http://otel-collector:4317), or HTTP with "
+                                      "OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf; a caller's traceparent is honoured. "
+                                      "Default: no tracing")
+    otlp_service_name: str = Field("text-embeddings-inference.server", description="the service.name of the spans "
+                                   "(TEI's default)")
     disable_spans: bool = Field(False, description="accepted for TEI's command lines: the JSON logs carry no spans")
     uds_path: str | None = Field(None, description="accepted for TEI's command lines: TEI's socket to its Python "
                                  "backend; the model runs in this process")

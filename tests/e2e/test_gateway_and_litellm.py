@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from localcluster import gateway, litellm_proxy, vector_store
+from localcluster import gateway, litellm_proxy, tracing, vector_store
 from localcluster.models import MINILM, RERANKER
 from localcluster.workloads import REAL_NODE_TOLERATIONS, prerequisites
 from embedops_operator.litellm import ANNOTATION_HASH as LITELLM_HASH
@@ -303,14 +303,58 @@ def test_rollout_through_the_gateway_loses_no_request(kube, routed, gw, svc, rea
     wait_for(lambda: "started" in pod_log(svc.core, svc.ns, "load-gateway"), timeout=120,
              what="first success through the gateway")
     time.sleep(3)
-    svc.co.patch_namespaced_custom_object(GROUP, VERSION, svc.ns, PLURAL, EMBED, {
-        "spec": {"env": [{"name": "EMBEDOPS_E2E_ROLLOUT", "value": uuid.uuid4().hex[:8]}]}})
+    # what rolls the pods: traces turned on (spec.tracing, a new service name each run), as a platform team does
+    svc.co.patch_namespaced_custom_object(GROUP, VERSION, svc.ns, PLURAL, EMBED, {"spec": {"tracing": {
+        "endpoint": tracing.ENDPOINT, "serviceName": f"{EMBED}-{uuid.uuid4().hex[:8]}"}}})
     wait_for(lambda: rolled_out(svc, EMBED, 1) and not before & {p.metadata.name for p in svc.pods(EMBED)},
              timeout=300, what="rollout to a new pod")
     time.sleep(3)  # the new pod serves alone through the gateway for a moment
     summary = stop_load(kube, svc, "load-gateway")
     print(f"rollout under load (4 client threads through Traefik to the Service's pods): {summary}")
     assert summary["ok"] > 0 and summary["failed"] == 0, summary
+
+
+@pytest.fixture(scope="module")
+def collector(kube, real):  # noqa: F811
+    if real.local_node is None:
+        pytest.skip("the OpenTelemetry Collector is built into the local cluster only")
+    return tracing.up(kube)
+
+
+def test_a_trace_through_the_gateway_has_the_servers_stages_under_the_callers_span(
+        kube, routed, gw, svc, collector, real):  # noqa: F811
+    """Issue 54: a client's request through Traefik carries its W3C traceparent to the server, whose span (the
+    EmbeddingService's name, or spec.tracing.serviceName) is the client's span's child in the real collector,
+    with the request's seven stages under it."""
+    spec = svc.co.get_namespaced_custom_object(GROUP, VERSION, svc.ns, PLURAL, EMBED)["spec"]
+    if (spec.get("tracing") or {}).get("endpoint") != collector.endpoint:  # run alone: the rollout test did not
+        before = {p.metadata.name for p in svc.pods(EMBED)}
+        svc.co.patch_namespaced_custom_object(GROUP, VERSION, svc.ns, PLURAL, EMBED, {"spec": {"tracing": {
+            "endpoint": collector.endpoint}}})
+        wait_for(lambda: rolled_out(svc, EMBED, 1) and not before & {p.metadata.name for p in svc.pods(EMBED)},
+                 timeout=300, what="rollout with tracing on")
+        spec = svc.co.get_namespaced_custom_object(GROUP, VERSION, svc.ns, PLURAL, EMBED)["spec"]
+    service_name = spec["tracing"].get("serviceName") or EMBED
+    trace_id, parent = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    wait_for(lambda: call(gw.url, PREFIX + "/embed", {"inputs": TEXTS}, host=EMBED_HOST)[0] == 200, timeout=60,
+             what="the traced pod answering through the gateway")
+    status, _ = call(gw.url, PREFIX + "/embed", {"inputs": TEXTS}, host=EMBED_HOST,
+                     headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+    assert status == 200
+    spans: list[dict] = []
+
+    def arrived() -> bool:
+        spans[:] = [s for s in collector.spans(kube) if s["trace"] == trace_id]
+        return len(spans) >= 8
+
+    wait_for(arrived, timeout=60, what=f"trace {trace_id} in the collector's log")
+    server = [s for s in spans if s["parent"] == parent]
+    assert len(server) == 1, spans
+    server = server[0]
+    assert server["name"] == "POST /embed" and server["kind"] == "Server" and server["service"] == service_name
+    assert server["attributes"]["embedops.inputs"] == len(TEXTS)
+    stages = [s["name"] for s in spans if s["parent"] == server["id"]]
+    assert sorted(stages) == sorted(["parse", "tokenize", "queue", "slot", "forward", "wake", "respond"]), spans
 
 
 # ---------------------------------------------------------------------------------------------- LiteLLM

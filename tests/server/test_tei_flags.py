@@ -1,8 +1,8 @@
 """A TEI command line starts embedops-server (issue 54): every flag of TEI 1.9.3's `text-embeddings-router` (its
 `router/src/main.rs`, clap `#[clap(long, env)]`: each flag has an UPPER_SNAKE variable) is accepted, as a flag and as
 its variable, and those that mean something here do it (tested where they act: --dense-path in test_dense.py,
---prometheus-port below). TEI flags accepted without effect are listed with the reason, and said at start where a
-user would expect something (--otlp-endpoint)."""
+--prometheus-port below, --otlp-endpoint in test_tracing.py). TEI flags accepted without effect are listed with the
+reason."""
 from __future__ import annotations
 
 import socket
@@ -29,8 +29,6 @@ MUTUALLY_EXCLUSIVE = {"default-prompt-name", "default-prompt"}  # TEI refuses bo
 WITHOUT_EFFECT = {
     "uds-path": "TEI's socket to its Python backend process; embedops runs the model in the server's process",
     "disable-spans": "TEI's span fields in JSON logs; embedops' JSON logs have none",
-    "otlp-endpoint": "no traces exported yet: a warning at start; stage timings are in Server-Timing and the metrics",
-    "otlp-service-name": "with --otlp-endpoint",
 }
 
 

@@ -734,3 +734,37 @@ def test_embed_all_reaches_the_gateway_only_when_the_manifest_asks():
     spec["gateway"] = {"parentRefs": [{"name": "gw"}], "embedAll": True}
     route = by_kind(render(spec))["HTTPRoute"]
     assert "/embed_all" in [r["matches"][0]["path"]["value"] for r in route["spec"]["rules"]]
+
+
+def test_tracing_renders_tei_flags_and_the_sdks_variables_and_keeps_the_space():
+    """spec.tracing (issue 54): the server's --otlp-endpoint and --otlp-service-name (the service's name unless
+    set), the protocol and the sampler as the OpenTelemetry SDK's variables; the operator's default endpoint for
+    services without one; nothing rendered without tracing, so no other pod changes; the space stays."""
+    from embedops_operator import spaces
+    from embedops_server.cli import parse_args
+
+    deployment = lambda out: by_kind(out)["Deployment"]  # noqa: E731
+    plain = container(render(CPU))
+    assert not [a for a in plain["args"] if a.startswith("--otlp")]
+    traced = copy.deepcopy(CPU)
+    traced["tracing"] = {"endpoint": "http://otel-collector.observability:4318", "protocol": "http/protobuf",
+                         "sampleRatio": 0.25}
+    c = container(render(traced))
+    assert arg(c, "--otlp-endpoint") == "http://otel-collector.observability:4318"
+    assert arg(c, "--otlp-service-name") == "svc"
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "http/protobuf"
+    assert env["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio" and env["OTEL_TRACES_SAMPLER_ARG"] == "0.25"
+    parse_args(c["args"][c["args"].index("--otlp-endpoint"):] + ["--model-id", "x"], environ={})  # the server's
+    assert spaces.key_of(spaces.declaration(deployment(render(CPU)))) == \
+        spaces.key_of(spaces.declaration(deployment(render(traced))))
+    by_default = container(render(CPU, R.Options(tracing_endpoint="http://otel:4317")))
+    assert arg(by_default, "--otlp-endpoint") == "http://otel:4317" and arg(by_default, "--otlp-service-name") == "svc"
+    assert "OTEL_EXPORTER_OTLP_PROTOCOL" not in {e["name"] for e in by_default["env"]}
+    own = copy.deepcopy(traced)
+    own["tracing"] = {"endpoint": "http://mine:4317", "serviceName": "rag-embedder"}
+    c = container(render(own, R.Options(tracing_endpoint="http://otel:4317")))
+    assert arg(c, "--otlp-endpoint") == "http://mine:4317" and arg(c, "--otlp-service-name") == "rag-embedder"
+    for bad in ("otel:4317", "http://otel:4317; rm -rf /", "ftp://otel"):
+        with pytest.raises(Exception):
+            parse({**CPU, "tracing": {"endpoint": bad}})

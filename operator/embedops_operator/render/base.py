@@ -56,6 +56,7 @@ class Options:
     gateway_namespaces: tuple[str, ...] = ()  # OperatorSettings.gateway_namespaces and the two below
     prometheus_namespaces: tuple[str, ...] = ()
     keda_namespaces: tuple[str, ...] = ()
+    tracing_endpoint: str | None = None  # OperatorSettings.tracing_endpoint: for services without spec.tracing
 
     @classmethod
     def of(cls, settings: OperatorSettings, capabilities: frozenset[tuple[str, str]] | None = None) -> "Options":
@@ -64,7 +65,7 @@ class Options:
                    capabilities=frozenset(OPTIONAL_KINDS) if capabilities is None else capabilities,
                    pod_upgrades=settings.pod_upgrades, max_concurrent_upgrades=settings.max_concurrent_upgrades,
                    gateway_namespaces=settings.gateway_namespaces, keda_namespaces=settings.keda_namespaces,
-                   prometheus_namespaces=settings.prometheus_namespaces)
+                   prometheus_namespaces=settings.prometheus_namespaces, tracing_endpoint=settings.tracing_endpoint)
 
 
 # ---------------------------------------------------------------------------------------------------- template revisions

@@ -8,7 +8,7 @@ from typing import Any
 from embedops_server import sizing
 
 from .. import memory
-from ..spec import GFD_PRODUCT, NFD_CPUID, EmbeddingServiceSpec
+from ..spec import GFD_PRODUCT, NFD_CPUID, EmbeddingServiceSpec, Tracing
 from .base import (
     ANNOTATION_METRICS_PORT, BATCH_PORT, GRACE_MARGIN, METRICS_PORT, SERVER_PORT, TEMPLATE_REVISION, Options, Pin,
     detect_task, dtype, has_batch_service, selector_labels, served_model_name, track_labels)
@@ -124,6 +124,31 @@ def _args(spec: EmbeddingServiceSpec, revision: int = TEMPLATE_REVISION) -> list
         args += ["--answer-cache-bytes", str(memory.answer_cache_bytes(spec))]
     args.append("--json-output")
     return args
+
+
+def tracing_of(spec: EmbeddingServiceSpec, options: Options) -> Tracing | None:
+    """The service's tracing: its own, else the operator's default endpoint, else none."""
+    if spec.tracing is not None:
+        return spec.tracing
+    return Tracing(endpoint=options.tracing_endpoint) if options.tracing_endpoint else None
+
+
+def tracing_args(service: str, spec: EmbeddingServiceSpec, options: Options) -> list[str]:
+    """The server's --otlp-* flags (new flags: rendered only when tracing is on, so no other pod changes)."""
+    t = tracing_of(spec, options)
+    return ["--otlp-endpoint", t.endpoint, "--otlp-service-name", t.service_name or service] if t else []
+
+
+def tracing_env(spec: EmbeddingServiceSpec) -> list[dict]:
+    """The OpenTelemetry SDK's own variables for what the flags do not say: the protocol and the sampler."""
+    t = spec.tracing
+    env = []
+    if t is not None and t.protocol != "grpc":
+        env.append({"name": "OTEL_EXPORTER_OTLP_PROTOCOL", "value": t.protocol})
+    if t is not None and t.sample_ratio < 1:
+        env += [{"name": "OTEL_TRACES_SAMPLER", "value": "parentbased_traceidratio"},
+                {"name": "OTEL_TRACES_SAMPLER_ARG", "value": f"{t.sample_ratio:g}"}]
+    return env
 
 
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -281,8 +306,8 @@ def pod_template(name: str, spec: EmbeddingServiceSpec, options: Options, pin: P
         "name": "server",
         "image": image,
         "command": ["embedops-server"],
-        "args": _args(spec, revision),
-        "env": server_env,
+        "args": _args(spec, revision) + tracing_args(service_name or name, spec, options),
+        "env": server_env + tracing_env(spec),
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}] + (
             [{"name": "batch", "containerPort": BATCH_PORT, "protocol": "TCP"}] if batch_port(spec, revision) else []) + (
             [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}] if metrics_port(revision)

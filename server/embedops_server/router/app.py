@@ -20,6 +20,7 @@ from .errors import error_response
 from .fast_path import FastPath
 from .middleware import AfterResponseMiddleware, ConnectionCloseMiddleware, GuardMiddleware, MetricsPortMiddleware
 from .timing import TimingMiddleware
+from .tracing import Tracing
 from .routes_tei import json_response
 from .schemas import INFO_OK
 from .state import AppState
@@ -45,6 +46,7 @@ def create_app(settings: Settings, service=None,
     switches the server read at its start (default: the environment's now), for the routes and the backend."""
     tuning = tuning if tuning is not None else Tuning()
     st = AppState(settings)
+    tracing = Tracing.of(settings.otlp_endpoint, settings.otlp_service_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -77,6 +79,8 @@ def create_app(settings: Settings, service=None,
             task.cancel()
         if st.service is not None:
             st.service.close()
+        if tracing is not None:  # the spans still queued are exported (the SDK bounds the wait)
+            await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(title="embedops-server", version=__version__, lifespan=lifespan,
                   description="TEI-compatible embeddings, rerank, sparse and classification server")
@@ -174,7 +178,7 @@ def create_app(settings: Settings, service=None,
     state = app.state.embedops
     outer = AfterResponseMiddleware(ConnectionCloseMiddleware(
         TimingMiddleware(MetricsPortMiddleware(GuardMiddleware(inner, settings.payload_limit, settings.api_key),
-                                               settings.prometheus_port), space=state.space_header),
+                                               settings.prometheus_port), space=state.space_header, tracing=tracing),
         state, settings.max_connection_age))
     if settings.cors_allow_origin:
         from starlette.middleware.cors import CORSMiddleware

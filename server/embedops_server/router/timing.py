@@ -53,11 +53,13 @@ def server_timing(req, t_received: float, now: float) -> bytes:
 
 class TimingMiddleware:
     """Adds `Server-Timing`, and the `embedding-space` header (core/space.py) that every response the model
-    answered carries: `space()` gives its value (None before the model is loaded)."""
+    answered carries: `space()` gives its value (None before the model is loaded). With ``tracing``
+    (router/tracing.py) every request's span and its stages' are recorded from the same timeline."""
 
-    def __init__(self, app, space=None):
+    def __init__(self, app, space=None, tracing=None):
         self.app = app
         self.space = space or (lambda: None)
+        self.tracing = tracing
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -67,14 +69,16 @@ class TimingMiddleware:
         async def send_timed(message):
             if message["type"] == "http.response.start":
                 req = scope.get(ENGINE_REQUEST_KEY)
+                now = time.perf_counter()
                 if req is not None:
                     message = dict(message)
-                    headers = [*message.get("headers", ()),
-                               (b"server-timing", server_timing(req, t_received, time.perf_counter()))]
+                    headers = [*message.get("headers", ()), (b"server-timing", server_timing(req, t_received, now))]
                     space = self.space()
                     if space is not None:
                         headers.append((b"embedding-space", space))
                     message["headers"] = headers
+                if self.tracing is not None:
+                    self.tracing.record(scope, message["status"], req, t_received, now)
             await send(message)
 
         return await self.app(scope, receive, send_timed)
