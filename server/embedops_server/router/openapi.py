@@ -10,7 +10,7 @@ FastAPI builds the document from the routes and request models; `contract()` the
   `token-id` (maximum = vocabulary size - 1), `dimensions` (maximum = the embedding size), `prompt-name` (enum
   of the model's prompts), `chars` (maxLength of a /tokenize text), `model-id` (the one served model),
   `outputs` (enum of the outputs the model has, ModelInfo.outputs), `colbert-dimensions` (maximum = the
-  ColBERT vector size),
+  ColBERT vector size), `vector-types` (without int8 and uint8 where the model has no int8 scale),
 * drops FastAPI's default 422 body (`{"detail": [...]}`), which this server never sends, and gives an
   operation that runs the model (it has `x-embedops-tasks`) the inference errors it does not declare itself,
 * declares the bearer scheme and 401 on the protected routes when --api-key is set.
@@ -24,6 +24,7 @@ import copy
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from ..core import quantize
 from ..core.model_info import EMBEDDER, SPARSE
 from ..core.tokenization import CHARS_PER_TOKEN_LIMIT
 from .errors import ERROR_SCHEMAS, is_openai, responses
@@ -79,6 +80,11 @@ def contract(doc: dict, settings, svc) -> dict:
         req["properties"]["normalize"] = {"type": "boolean", "enum": [False], "title": "Normalize",
                                           "description": "must be false for a SPLADE model"}
         req["required"] = sorted({*req.get("required", []), "normalize"})
+    if svc is not None and svc.int8 is not None and "EmbedRequest" in schemas:
+        # int8 and uint8 are of normalized vectors (the space's scale is): with `normalize: false` a 422
+        schemas["EmbedRequest"]["anyOf"] = [
+            {"properties": {"embedding_type": {"not": {"enum": list(quantize.SCALED)}}}},
+            {"properties": {"normalize": {"const": True}}}]
     limits = _limits(settings, svc)
     doc["components"]["schemas"] = _resolve(schemas, limits)
     doc["paths"] = _resolve(doc.get("paths", {}), limits)
@@ -128,6 +134,8 @@ def _limits(settings, svc) -> dict:
     out["prompt-name"] = {"enum": prompts} if prompts else _DROP
     longest = max([len(p) for p in svc.info.prompts.values()] + [len(settings.default_prompt or "")])
     out["chars"] = {"maxLength": max(svc.max_input_length * CHARS_PER_TOKEN_LIMIT - longest, 0)}
+    if svc.int8 is None:  # no dense vector, or its scale could not be measured: int8 and uint8 are refused
+        out["vector-types"] = {"not": {"enum": list(quantize.SCALED)}}
     return out
 
 

@@ -38,7 +38,7 @@ def _integral(v):
 
 Int = Annotated[StrictInt, BeforeValidator(_integral)]
 MARK = "x-embedops"  # resolved by router/openapi.py: batch, batch-1, token-id, dimensions, prompt-name, chars,
-# model-id, outputs
+# model-id, outputs, vector-types
 Text = Annotated[StrictStr, doc(minLength=1)]  # an input that is embedded, scored or classified
 TokenId = Annotated[StrictInt, Field(ge=0, lt=2 ** 32), BeforeValidator(_integral), doc(x_embedops="token-id")]
 TokenIds = Annotated[list[TokenId], doc(minItems=1)]
@@ -58,7 +58,8 @@ class _Base(BaseModel):
 
 # embedops' extension of TEI's /embed and OpenAI's /v1/embeddings: the vector's type (core/quantize.py); binary
 # and ubinary are the sign bits packed eight to a byte, int8 and uint8 at the space's scale, as Cohere's /v2/embed
-EmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary"]
+# `vector-types`: the contract leaves int8 and uint8 out for a model without the space's int8 scale
+EmbeddingType = Annotated[Literal["float", "int8", "uint8", "binary", "ubinary"], doc(x_embedops="vector-types")]
 
 
 class EmbedRequest(_Base):
@@ -139,7 +140,8 @@ class OpenAIEmbeddingRequest(_Base):
     embedding_type: EmbeddingType = "float"
 
 
-CohereEmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
+CohereEmbeddingType = Annotated[Literal["float", "int8", "uint8", "binary", "ubinary", "base64"],
+                                doc(x_embedops="vector-types")]
 
 
 class CohereEmbedRequest(_Base):
