@@ -18,7 +18,7 @@ def main(hidden: int = 1024, layers: int = 2, shapes=((1, 16), (4, 128), (8, 256
     import torch
 
     from embedops_server.backends.m3 import load_heads, numpy_heads
-    from embedops_server.core.engine import Batch
+    from embedops_server.core.batch import Batch
     from embedops_server.core.model_info import load_model_info
     from bench.m3_model import build_m3_folder
 

@@ -11,7 +11,7 @@ import numpy as np
 from . import heap
 from .backends.base import Backend, cpu_threads
 from .core import quantize
-from .core.engine import Batch
+from .core.batch import Batch
 from .core.cache import AnswerCache
 from .core.engine import Engine, EngineStats
 from .core.lanes import Lanes

@@ -143,7 +143,7 @@ def test_hybrid_dispatches_by_padded_length():
     import numpy as np
 
     from embedops_server.backends.hybrid import SHORT_MAX_COLS, HybridBackend
-    from embedops_server.core.engine import Batch, BatchOutput
+    from embedops_server.core.batch import Batch, BatchOutput
 
     class Fake(Backend):
         def __init__(self, tag, pref=None):
@@ -207,7 +207,7 @@ def test_ort_spinning_session_for_tiny_forwards(monkeypatch):
     import numpy as np
 
     from embedops_server.backends.ort_backend import OrtBackend
-    from embedops_server.core.engine import Batch
+    from embedops_server.core.batch import Batch
     from embedops_server.core.model_info import load_model_info
     from localcluster.models import minilm_onnx_dir
 
@@ -231,7 +231,7 @@ def test_ort_parallel_forwards_use_a_one_thread_session(monkeypatch):
     import numpy as np
 
     from embedops_server.backends.ort_backend import OrtBackend
-    from embedops_server.core.engine import Batch
+    from embedops_server.core.batch import Batch
     from embedops_server.core.model_info import load_model_info
     from localcluster.models import minilm_onnx_dir
 
@@ -350,7 +350,7 @@ def test_small_forwards_run_the_fused_graph_with_the_same_outputs(folder, monkey
     import tokenizers
 
     from embedops_server.backends.ort_backend import OrtBackend
-    from embedops_server.core.engine import Batch
+    from embedops_server.core.batch import Batch
     from embedops_server.core.model_info import load_model_info
     from localcluster.models import minilm_dir, minilm_onnx_dir
 

@@ -190,7 +190,7 @@ def test_cuda_graph_compute_path_on_cpu(m3_dir):
     from tokenizers import Tokenizer
 
     from embedops_server.backends.torch_backend import TorchBackend
-    from embedops_server.core.engine import Batch
+    from embedops_server.core.batch import Batch
     from embedops_server.core.model_info import load_model_info
 
     info = load_model_info(m3_dir)

@@ -40,7 +40,7 @@ def test_int8_quality_gate_and_export(int8_server, st_model):
     mi.onnx_path = exported[0]
     be = OrtBackend(mi, threads=1)
     import tokenizers
-    from embedops_server.core.engine import Batch
+    from embedops_server.core.batch import Batch
 
     tok = tokenizers.Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))
     tok.no_padding()

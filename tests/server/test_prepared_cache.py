@@ -192,7 +192,7 @@ def test_an_export_over_many_files_is_packed_into_one_data_file(tmp_path, monkey
     be = OrtBackend(load_model_info(folder), threads=1, cache=str(tmp_path / "c2"))
     ref = OrtBackend(load_model_info(folder), threads=1, cache=str(tmp_path / "c2"))
     ids = np.array([[0, 100, 200, 2]])
-    from embedops_server.core.engine import Batch
+    from embedops_server.core.batch import Batch
 
     b = Batch(ids, np.ones_like(ids), np.zeros_like(ids), np.array([4]))
     np.testing.assert_allclose(be.forward(b).pooled, ref.forward(b).pooled, rtol=1e-5)

@@ -10,7 +10,8 @@ import time
 
 import numpy as np
 
-from embedops_server.core.engine import BatchOutput, Engine
+from embedops_server.core.batch import BatchOutput
+from embedops_server.core.engine import Engine
 
 FORWARD_S = 0.25
 

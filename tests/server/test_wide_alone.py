@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from embedops_server.core import engine as engine_mod
-from embedops_server.core.engine import BatchOutput
+from embedops_server.core.batch import BatchOutput
 
 
 class RecordingBackend:

@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from ..core.engine import Batch, BatchOutput
+from ..core.batch import Batch, BatchOutput
 
 
 class Backend:

@@ -7,7 +7,7 @@ compute the same outputs (cosine >= 0.9999); only one forward runs at a time (on
 never compete for the cores. The price is memory: torch's libraries and a second copy of the weights."""
 from __future__ import annotations
 
-from ..core.engine import Batch, BatchOutput
+from ..core.batch import Batch, BatchOutput
 from .base import Backend
 
 # Padded columns up to which a forward goes to ONNX Runtime.

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.engine import Batch, BatchOutput
+from ..core.batch import Batch, BatchOutput
 from ..core.model_info import EMBEDDER, RERANKER, SPARSE, ModelError, ModelInfo
 from ..settings import Tuning
 from .base import Backend, pool_numpy, split_tokens

@@ -4,7 +4,7 @@ from __future__ import annotations
 import inspect
 import logging
 
-from ..core.engine import Batch, BatchOutput
+from ..core.batch import Batch, BatchOutput
 from ..core.model_info import CLASSIFIER, EMBEDDER, RERANKER, SPARSE, ModelInfo
 from ..settings import Tuning
 from .base import Backend

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .batch import Batch, BatchOutput, multi_result
 from .cache import AnswerCache, Lookup
 from .errors import BACKEND, VALIDATION, EngineError
 from .queue import BatchQueue, Entry
@@ -53,37 +54,6 @@ def linger_s(forward_s: float, batch_tokens: int, budget_tokens: int, tokenizing
     if tokenizing <= 0 or batch_tokens * 2 >= budget_tokens or forward_s <= 0:
         return 0.0
     return min(LINGER_MAX_S, LINGER_FRACTION * forward_s)
-
-
-@dataclass
-class Batch:
-    """Padded arrays for one forward pass (rows beyond len(entries) are bucket padding)."""
-    input_ids: np.ndarray
-    attention_mask: np.ndarray
-    token_type_ids: np.ndarray
-    lengths: np.ndarray
-    need_tokens: bool = False
-    # Another forward runs (or is about to start) beside this one: a backend with parallel_forwards > 1 then
-    # runs it on its share of the cores rather than all of them.
-    parallel: bool = False
-    # bge-m3 heads some input of the batch asked for ("sparse", "colbert"): computed from the same forward
-    heads: frozenset = frozenset()
-
-
-@dataclass
-class BatchOutput:
-    pooled: np.ndarray | None  # [B, D]: pooled embedding, dense SPLADE vector or classifier logits
-    tokens: list[np.ndarray] | None = None  # per-row unpadded hidden states (embed_all)
-    lexical: list[tuple[np.ndarray, np.ndarray]] | None = None  # per row (token ids, weights): bge-m3 sparse
-    colbert: list[np.ndarray] | None = None  # per row [tokens - 1, d]: bge-m3 ColBERT vectors, not normalized
-
-
-def multi_result(out: BatchOutput, r: int, outputs: tuple[str, ...]) -> dict:
-    """Row r's outputs by name for a multi-output request ("dense", "sparse", "colbert")."""
-    res = {}
-    for o in outputs:
-        res[o] = out.pooled[r] if o == "dense" else (out.lexical if o == "sparse" else out.colbert)[r]
-    return res
 
 
 class Request:
