@@ -11,7 +11,7 @@ import numpy as np
 from . import heap
 from .backends.base import Backend, cpu_threads
 from .core import quantize
-from .core.batch import Batch
+from .core.batch import padded
 from .core.cache import AnswerCache
 from .core.engine import Engine, EngineStats
 from .core.lanes import Lanes
@@ -218,17 +218,10 @@ def int8_scale(info: ModelInfo, backend: Backend, tokenizers: TokenizerPool, pro
         pooled = []
         for i in range(0, len(encodings), rows):
             chunk = [e.ids[:max_len] for e in encodings[i:i + rows]]
-            width = max(len(ids) for ids in chunk)
-            ids = np.full((len(chunk), width), backend.pad_id or 0, dtype=np.int64)
-            mask = np.zeros_like(ids)
-            for r, row in enumerate(chunk):
-                ids[r, :len(row)] = row
-                mask[r, :len(row)] = 1
-            out = backend.forward(Batch(ids, mask, np.zeros_like(ids), mask.sum(1)))
+            shape = backend.bucket(len(chunk), max(len(ids) for ids in chunk))
+            out = backend.forward(padded(chunk, None, shape, backend.pad_id))
             pooled.append(np.asarray(out.pooled[:len(chunk)], dtype=np.float32))
-        vectors = np.concatenate(pooled)
-        vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
-        scale = quantize.Int8Scale(vectors)
+        scale = quantize.Int8Scale(np.concatenate(pooled))
     except Exception as exc:  # noqa: BLE001 - a start-up extra: the float vectors are served either way
         log.warning("int8 is not served: measuring its scale failed: %s", exc)
         return None

@@ -3,6 +3,7 @@ same shape), so that the backends (backends/) depend on this contract and not on
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -20,6 +21,27 @@ class Batch:
     parallel: bool = False
     # bge-m3 heads some input of the batch asked for ("sparse", "colbert"): computed from the same forward
     heads: frozenset = frozenset()
+
+
+def padded(ids: Sequence[Sequence[int]], type_ids: Sequence[Sequence[int]] | None, shape: tuple[int, int],
+           pad_id: int) -> Batch:
+    """Token rows padded into a ``shape`` (rows, cols) batch (the backend's bucket): rows beyond ``ids`` are
+    padding; ``type_ids`` None: all 0."""
+    rows, cols = shape
+    out = np.zeros((rows, cols), dtype=np.int64)
+    tti = np.zeros((rows, cols), dtype=np.int64)
+    mask = np.zeros((rows, cols), dtype=np.int64)
+    lengths = np.zeros(rows, dtype=np.int64)
+    for r, row in enumerate(ids):
+        n = len(row)
+        out[r, :n] = row
+        if type_ids is not None:
+            tti[r, :n] = type_ids[r]
+        mask[r, :n] = 1
+        lengths[r] = n
+    if pad_id:
+        out[mask == 0] = pad_id
+    return Batch(out, mask, tti, lengths)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .batch import Batch, BatchOutput, multi_result
+from .batch import Batch, BatchOutput, multi_result, padded
 from .cache import AnswerCache, Lookup
 from .errors import BACKEND, VALIDATION, EngineError
 from .queue import BatchQueue, Entry
@@ -365,23 +365,11 @@ class Engine:
             self._cv.wait(left)
 
     def _build(self, entries: list[Entry]) -> Batch:
-        n = len(entries)
-        max_len = max(e.length for e in entries)
-        rows, cols = self.backend.bucket(n, max_len)
-        ids = np.zeros((rows, cols), dtype=np.int64)
-        tti = np.zeros((rows, cols), dtype=np.int64)
-        mask = np.zeros((rows, cols), dtype=np.int64)
-        lengths = np.zeros(rows, dtype=np.int64)
-        for r, e in enumerate(entries):
-            ids[r, : e.length] = e.ids
-            tti[r, : e.length] = e.type_ids
-            mask[r, : e.length] = 1
-            lengths[r] = e.length
-        if self.backend.pad_id:
-            ids[mask == 0] = self.backend.pad_id
-        need_tokens = any(e.request.need_tokens for e in entries)
-        heads = frozenset(o for e in entries if e.request.outputs for o in e.request.outputs if o != "dense")
-        return Batch(ids, mask, tti, lengths, need_tokens, heads=heads)
+        shape = self.backend.bucket(len(entries), max(e.length for e in entries))
+        batch = padded([e.ids for e in entries], [e.type_ids for e in entries], shape, self.backend.pad_id)
+        batch.need_tokens = any(e.request.need_tokens for e in entries)
+        batch.heads = frozenset(o for e in entries if e.request.outputs for o in e.request.outputs if o != "dense")
+        return batch
 
     # ---- inference thread --------------------------------------------------------------------
     def _inference(self) -> None:

@@ -62,9 +62,9 @@ def calibration_words(vocabulary: dict[str, int], n: int = CALIBRATION_WORDS) ->
 
 
 class Int8Scale:
-    """The space's int8 scale, from normalized calibration vectors [n, d]; a `dimensions`-truncated (and
-    renormalized) vector has larger components, so its scale is measured on the calibration vectors truncated
-    alike, once per size asked for."""
+    """The space's int8 scale, from calibration vectors [n, d] (normalized here, as served); a
+    `dimensions`-truncated (and renormalized) vector has larger components, so its scale is measured on the
+    calibration vectors truncated alike, once per size asked for."""
 
     def __init__(self, calibration: np.ndarray):
         self._vectors = calibration.astype(np.float32, copy=False)

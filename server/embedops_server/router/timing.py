@@ -30,17 +30,28 @@ import time
 ENGINE_REQUEST_KEY = "embedops.engine_request"  # request.scope: the core Request behind this response
 
 
+STAGES = ("parse", "tokenize", "queue", "slot", "forward", "wake", "respond")
+
+
+def stages(req, t_received: float, now: float) -> list[tuple[str, float, float]]:
+    """(stage, start, end) of an engine request answered at `now` (perf_counter seconds): consecutive, from
+    `t_received` to `now`; a stage not reached (an error answered before it) and those after it are left out,
+    no figure rather than a wrong one. Server-Timing and the trace (router/tracing.py) are both made from it."""
+    points = (req.t_start, req.t_tokenized, req.t_batched, req.t_forward, req.t_forwarded, req.t_done, now)
+    out = []
+    prev = t_received
+    for name, t in zip(STAGES, points):
+        if not t:
+            break
+        end = max(prev, t)
+        out.append((name, prev, end))
+        prev = end
+    return out
+
+
 def server_timing(req, t_received: float, now: float) -> bytes:
     """The header value for an engine request answered at `now` (perf_counter seconds)."""
-    points = (t_received, req.t_start, req.t_tokenized, req.t_batched, req.t_forward, req.t_forwarded, req.t_done,
-              now)
-    parts = []
-    prev = t_received
-    for name, t in zip(("parse", "tokenize", "queue", "slot", "forward", "wake", "respond"), points[1:]):
-        if not t:  # a stage not reached (an error answered before it): no figure rather than a wrong one
-            break
-        parts.append(f"{name};dur={max(0.0, t - prev) * 1000:.3f}")
-        prev = max(prev, t)
+    parts = [f"{name};dur={(end - start) * 1000:.3f}" for name, start, end in stages(req, t_received, now)]
     parts.append(f"total;dur={(now - t_received) * 1000:.3f}")
     if req.batch_rows:
         parts.append(f"batch;desc={req.batch_rows}")
